@@ -1,0 +1,38 @@
+# One command to set up and run the tiny recipe, one to set up and run the tests.
+#   make demo    install what is missing, then train the tiny GPT (TP2 × PP2 on 4 CPU processes)
+#   make test    install what is missing, then run the test suite
+#   make lint    ruff
+# Everything goes into ./.venv (override with VENV=...). On CPU machines torch is pinned to the CPU
+# wheel first, so pip never resolves a CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@if $(BIN)/python -m pip list 2>/dev/null | grep -qi '^nvidia'; then \
+		echo "error: CUDA wheels were installed into $(VENV); torch must be the CPU wheel here" >&2; exit 1; fi
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/lightning-megatron fit --config recipes/gpt-tiny-cpu.yaml
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,97 @@
+"""Workarounds for megatron-core 0.16, in one place: a private queue it creates, a schedule bug, and a
+checkpoint-loading bug of its distributed optimizer without Transformer Engine.
+
+megatron-core's sharded checkpoint writer hands per-file write results back through a queue it creates
+with a *spawned* ``multiprocessing.Manager`` (``filesystem_async._results_queue``): an extra Python
+process per rank that re-imports the training script (hundreds of MB each), started at the first save
+and left running if the rank is killed. Synchronous saves, the only kind this project makes, pass
+those results within the saving process, so a plain thread queue does the same job with no process.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+__all__ = [
+    "batched_p2p_is_safe",
+    "finish_distributed_optimizer_load",
+    "prepare_distributed_optimizer_load",
+    "use_in_process_checkpoint_results",
+]
+
+
+def use_in_process_checkpoint_results() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def batched_p2p_is_safe(*, on_cpu: bool, pipeline: int, virtual_pipeline: int | None) -> bool:
+    """Whether megatron-core 0.16's batched pipeline send/receive (``batch_p2p_comm``) gives right results.
+
+    With two pipeline stages and virtual stages, both directions of the interleaved schedule go to the
+    same peer with the same shape, and the batched ``batch_isend_irecv`` pairs them up wrongly: the
+    gradient norm came out ~3000× too large on 2 H200s over NCCL (benchmarks/results/gpu_parity.json)
+    and ~2000× on gloo. Unbatched send/receive is exact. On gloo, batching also calls
+    ``torch.cuda.synchronize``, so it is off on CPUs altogether.
+    """
+    return not on_cpu and not (pipeline == 2 and virtual_pipeline is not None)
+
+
+def _distributed_parts(megatron_optimizer: object) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
+    return [p for p in parts if isinstance(p, DistributedOptimizer)]
+
+
+def prepare_distributed_optimizer_load(megatron_optimizer: object) -> None:
+    """Let megatron-core 0.16's distributed optimizer load checkpoints without Transformer Engine or Apex.
+
+    Without TE/Apex the inner optimizer is torch's AdamW, whose per-parameter state holds a ``step``
+    next to ``exp_avg``/``exp_avg_sq``. Three places in ``DistributedOptimizer`` then mishandle it:
+
+    * building the template to load into calls ``state_dict()``, which reads every parameter's ``step``
+      and fails on a fresh optimizer that has not stepped (``assert len(steps) == 1``);
+    * every parameter-state loader skips ``step`` in the checkpoint (it is restored separately from the
+      param groups) but then copies *every* key of the live state, ``step`` included (``KeyError: 'step'``);
+    * ``load_state_dict`` restores that step as *one* tensor shared by all parameters, which torch's
+      AdamW then increments once per parameter per step, corrupting the bias correction after a resume.
+
+    The first is met by megatron-core's own dummy initializer (one step on zero gradients; the load then
+    overwrites states and master weights), the second by wrapping, on these optimizer instances only,
+    the per-parameter setter so that it leaves ``step`` alone when the checkpoint tensors do not carry
+    it. ``finish_distributed_optimizer_load`` fixes the third.
+    """
+    for part in _distributed_parts(megatron_optimizer):
+        if getattr(part, "_step_safe_loading", False):
+            continue
+        if not part.optimizer.state:
+            part._init_optimizer_states_with_dummy_values()
+        original = part._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, part=part, original=original):  # noqa: ANN001, ANN202
+            if "step" in tensors:
+                return original(model_param, tensors)
+            group_index, group_order = part.model_param_group_index_map[model_param]
+            state = part.optimizer.state[part.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None)
+            try:
+                return original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        part._set_main_param_and_optimizer_states = set_states
+        part._step_safe_loading = True
+
+
+def finish_distributed_optimizer_load(megatron_optimizer: object) -> None:
+    """Give every parameter its own ``step`` tensor again (see ``prepare_distributed_optimizer_load``)."""
+    for part in _distributed_parts(megatron_optimizer):
+        for state in part.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()

@@ -1,0 +1,176 @@
+"""A GPT language model: megatron-core's ``GPTModel`` as a LightningModule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.models.init import init_split_invariant_
+from lightning_megatron.models.module import MegatronLightningModule
+from lightning_megatron.models.specs import LayerSpecName, gpt_block_spec
+from lightning_megatron.strategy.parallel import StageSpec
+from lightning_megatron.strategy.step import LossFn
+
+__all__ = ["GPTModule"]
+
+
+class GPTModule(MegatronLightningModule):
+    """Decoder-only transformer trained on next-token prediction.
+
+    Batches are dicts with ``tokens`` and ``labels`` (``[batch, seq]`` int64) and optionally
+    ``loss_mask`` (which label positions count) and ``position_ids``.
+
+    Args:
+        vocab_size: Tokenizer vocabulary size. The embedding is padded up to a multiple of
+            ``make_vocab_size_divisible_by`` (the same padding at every tensor-parallel size).
+        seq_length: Longest sequence the model sees (size of the learned position table).
+        num_layers, hidden_size, num_attention_heads, ffn_hidden_size, num_query_groups: Shape
+            (``ffn_hidden_size`` defaults to 4 × hidden; ``num_query_groups`` < heads is GQA).
+        position_embedding_type: ``"learned_absolute"`` (GPT-2) or ``"rope"`` (Llama).
+        normalization, activation, add_bias_linear: ``LayerNorm``/``gelu``/biases is GPT-2;
+            ``RMSNorm``/``swiglu``/no biases is Llama.
+        layer_spec: Which implementation of the transformer layer to use (see ``models.specs``).
+        split_invariant_init: Initialize so every parallel layout starts from the same weights.
+        lr, min_lr, warmup_steps, weight_decay, betas, eps: AdamW with linear warmup and cosine
+            decay to ``min_lr`` at ``trainer.max_steps``; no weight decay on biases and norms.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_length: int = 64,
+        num_layers: int = 4,
+        hidden_size: int = 64,
+        num_attention_heads: int = 4,
+        ffn_hidden_size: Optional[int] = None,
+        num_query_groups: Optional[int] = None,
+        position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute",
+        normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm",
+        activation: Literal["gelu", "swiglu"] = "gelu",
+        add_bias_linear: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        init_method_std: float = 0.02,
+        make_vocab_size_divisible_by: int = 128,
+        layer_spec: LayerSpecName = "local",
+        split_invariant_init: bool = True,
+        init_seed: int = 1234,
+        lr: float = 3e-4,
+        min_lr: float = 0.0,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self._config: Optional[TransformerConfig] = None
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.hparams.make_vocab_size_divisible_by
+        return int(math.ceil(self.hparams.vocab_size / multiple) * multiple)
+
+    def transformer_config(self) -> TransformerConfig:
+        """One config shared by all chunks of this rank, with the strategy's parallel settings."""
+        if self._config is None:
+            hp = self.hparams
+            self.parallel.layout.check_num_layers(hp.num_layers)
+            if hp.make_vocab_size_divisible_by % self.parallel.layout.tensor:
+                raise MegatronConfigError(
+                    f"make_vocab_size_divisible_by={hp.make_vocab_size_divisible_by} must be a multiple of "
+                    f"tensor_model_parallel_size={self.parallel.layout.tensor} so the padded vocabulary splits evenly."
+                )
+            swiglu = hp.activation == "swiglu"
+            self._config = TransformerConfig(
+                num_layers=hp.num_layers,
+                hidden_size=hp.hidden_size,
+                num_attention_heads=hp.num_attention_heads,
+                num_query_groups=hp.num_query_groups,
+                ffn_hidden_size=hp.ffn_hidden_size or 4 * hp.hidden_size,
+                hidden_dropout=hp.hidden_dropout,
+                attention_dropout=hp.attention_dropout,
+                init_method_std=hp.init_method_std,
+                normalization=hp.normalization,
+                add_bias_linear=hp.add_bias_linear,
+                gated_linear_unit=swiglu,
+                activation_func=F.silu if swiglu else F.gelu,
+                **self.parallel.config_kwargs(),
+            )
+        return self._config
+
+    def build_chunk(self, stage: StageSpec) -> GPTModel:
+        config = self.transformer_config()
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_block_spec(self.hparams.layer_spec, config, vp_stage=stage.vp_stage),
+            vocab_size=self.padded_vocab_size,
+            max_sequence_length=self.hparams.seq_length,
+            pre_process=stage.pre_process,
+            post_process=stage.post_process,
+            share_embeddings_and_output_weights=self.hparams.share_embeddings_and_output_weights,
+            position_embedding_type=self.hparams.position_embedding_type,
+            vp_stage=stage.vp_stage,
+        )
+
+    def configure_model(self) -> None:
+        if getattr(self, "model_chunks", None) is not None:
+            return
+        super().configure_model()
+        if self.hparams.split_invariant_init:
+            init_split_invariant_(
+                self.model_chunks,
+                seed=self.hparams.init_seed,
+                std=self.hparams.init_method_std,
+                num_layers=self.hparams.num_layers,
+            )
+
+    def forward_step(self, batch: dict[str, torch.Tensor], chunk: torch.nn.Module) -> tuple[torch.Tensor, LossFn]:
+        tokens = batch["tokens"]
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        # Every stage gets the whole microbatch: the first uses the tokens, the last the labels.
+        output = chunk(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=batch["labels"])
+        loss_mask = batch.get("loss_mask")
+
+        def loss_fn(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if loss_mask is None:
+                return per_token_loss.float().sum(), torch.tensor(per_token_loss.numel(), device=per_token_loss.device)
+            mask = loss_mask.to(per_token_loss.dtype)
+            return (per_token_loss.float() * mask).sum(), mask.sum()
+
+        return output, loss_fn
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                (no_decay if param.dim() < 2 or name.endswith(".bias") else decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+        )
+        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None
+
+        def schedule(step: int) -> float:
+            if hp.warmup_steps and step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            if total is None or total <= hp.warmup_steps:
+                return 1.0
+            progress = min(1.0, (step - hp.warmup_steps) / (total - hp.warmup_steps))
+            floor = hp.min_lr / hp.lr if hp.lr else 0.0
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

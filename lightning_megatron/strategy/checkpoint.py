@@ -1,0 +1,95 @@
+"""Sharded checkpoints: a directory every rank writes its part of, loadable at another parallel layout.
+
+Layout of ``epoch=0-step=10.ckpt/``:
+
+* megatron-core ``dist_checkpointing`` files (``*.distcp``, ``.metadata``, ``common.pt``,
+  ``metadata.json``) holding the model and optimizer as global, layout-independent tensors;
+* ``trainer_state.pt``: everything else Lightning saves (loops, callbacks, LR schedulers,
+  hyperparameters), written once by global rank 0 after all shards are on disk, so its presence
+  marks a complete checkpoint;
+* ``config.yaml``: the resolved LightningCLI configuration, when the run was started from the CLI.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from megatron.core import dist_checkpointing
+
+from lightning_megatron.compat.megatron import use_in_process_checkpoint_results
+
+__all__ = ["DistCheckpointIO", "CONFIG_KEY", "SHARDED_KEYS"]
+
+TRAINER_STATE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"
+CONFIG_KEY = "lightning_megatron_config"
+"""Checkpoint entry (set by the CLI) whose text is written next to the shards as ``config.yaml``."""
+SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class DistCheckpointIO(CheckpointIO):
+    """Saves and loads on **every** rank; the strategy supplies the sharded template for loading."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("DistCheckpointIO does not take storage_options.")
+        path = Path(path)
+        if _rank() == 0:
+            self.remove_checkpoint(path)
+            path.mkdir(parents=True)
+        _barrier()
+        sharded = {key: checkpoint[key] for key in SHARDED_KEYS if key in checkpoint}
+        use_in_process_checkpoint_results()
+        dist_checkpointing.save(sharded, str(path))
+        if _rank() == 0:
+            rest = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS and k != CONFIG_KEY}
+            if CONFIG_KEY in checkpoint:
+                (path / CONFIG_FILE).write_text(checkpoint[CONFIG_KEY])
+            tmp = path / (TRAINER_STATE + ".tmp")
+            torch.save(rest, tmp)
+            tmp.rename(path / TRAINER_STATE)
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Optional[Any] = None,
+        weights_only: Optional[bool] = None,
+        *,
+        sharded_state_dict: Optional[dict[str, Any]] = None,
+    ) -> dict[str, Any]:
+        path = Path(path)
+        state_file = path / TRAINER_STATE
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{path} is not a MegatronAppStrategy checkpoint (a directory written by every rank)."
+            )
+        if not state_file.is_file():
+            raise FileNotFoundError(
+                f"{path} is incomplete: {TRAINER_STATE} is missing, so the save did not finish. Resume from an "
+                "earlier checkpoint."
+            )
+        checkpoint = torch.load(state_file, map_location="cpu", weights_only=bool(weights_only))
+        if sharded_state_dict:
+            checkpoint.update(dist_checkpointing.load(sharded_state_dict, str(path)))
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        path = Path(path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()

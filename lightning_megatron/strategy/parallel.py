@@ -1,0 +1,164 @@
+"""The parallel layout: what the user asked for, and what a rank knows once the groups exist.
+
+``ParallelLayout`` is pure data, validated against the world size before any process group is made.
+``ParallelContext`` is built from megatron-core's ``parallel_state`` after initialization; the
+LightningModule reads it (as ``self.parallel``) to build the model chunks of its own pipeline stage,
+the way Lightning's ``ModelParallelStrategy`` hands modules a ``device_mesh``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from lightning_megatron.errors import MegatronConfigError
+
+__all__ = ["ParallelLayout", "ParallelContext", "StageSpec"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: Optional[int] = None
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value in (
+            ("tensor_model_parallel_size", self.tensor),
+            ("pipeline_model_parallel_size", self.pipeline),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise MegatronConfigError(f"`{name}` must be a positive integer, got {value!r}.")
+        if self.virtual_pipeline is not None:
+            if not isinstance(self.virtual_pipeline, int) or self.virtual_pipeline < 1:
+                raise MegatronConfigError(
+                    "`virtual_pipeline_model_parallel_size` must be a positive integer or None, "
+                    f"got {self.virtual_pipeline!r}."
+                )
+            if self.pipeline == 1:
+                raise MegatronConfigError(
+                    "`virtual_pipeline_model_parallel_size` needs pipeline parallelism: set "
+                    "`pipeline_model_parallel_size` > 1 or leave the virtual size unset."
+                )
+        if self.sequence_parallel and self.tensor == 1:
+            raise MegatronConfigError(
+                "`sequence_parallel=True` splits activations across tensor-parallel ranks and needs "
+                "`tensor_model_parallel_size` > 1."
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks held by each rank: one per virtual pipeline stage."""
+        return self.virtual_pipeline or 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise MegatronConfigError(
+                f"The world size {world_size} is not divisible by tensor_model_parallel_size × "
+                f"pipeline_model_parallel_size = {self.tensor} × {self.pipeline} = {self.model_parallel_size}. "
+                f"Launch a multiple of {self.model_parallel_size} processes (Trainer devices × num_nodes) "
+                "or change the parallel sizes."
+            )
+        return world_size // self.model_parallel_size
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """Raise unless ``num_layers`` splits evenly over pipeline (and virtual) stages."""
+        stages = self.pipeline * self.num_chunks
+        if num_layers % stages:
+            what = (
+                f"pipeline_model_parallel_size × virtual_pipeline_model_parallel_size = {self.pipeline} × "
+                f"{self.virtual_pipeline} = {stages}"
+                if self.virtual_pipeline
+                else f"pipeline_model_parallel_size = {self.pipeline}"
+            )
+            raise MegatronConfigError(
+                f"The model has {num_layers} layers, which do not split evenly over {what} stages. "
+                "Choose a layer count that is a multiple of the number of stages, or other parallel sizes."
+            )
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One model chunk this rank builds: its virtual stage and whether it holds the embedding or the head."""
+
+    vp_stage: Optional[int]
+    pre_process: bool
+    post_process: bool
+
+
+class ParallelContext:
+    """Ranks, groups and stages of this process, valid once the strategy has set up megatron-core."""
+
+    def __init__(self, layout: ParallelLayout, precision_dtype: torch.dtype, on_cpu: bool) -> None:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("ParallelContext needs megatron-core's parallel state to be initialized first.")
+        self.layout = layout
+        self.params_dtype = precision_dtype
+        self.on_cpu = on_cpu
+        self.tensor_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.data_parallel_rank = parallel_state.get_data_parallel_rank()
+        self.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        self.process_groups = ProcessGroupCollection.use_mpu_process_groups(
+            required_pgs=["tp", "pp", "mp", "cp", "dp", "dp_cp", "embd", "pos_embd", "tp_dp_cp"]
+        )
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's (dp, pp, tp) coordinates, the names used in logs and trace files."""
+        return {"dp": self.data_parallel_rank, "pp": self.pipeline_rank, "tp": self.tensor_rank}
+
+    @property
+    def is_first_pipeline_stage(self) -> bool:
+        return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+
+    @property
+    def is_last_pipeline_stage(self) -> bool:
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+    def stages(self) -> list[StageSpec]:
+        """The model chunks this rank must build, in virtual-stage order."""
+        if self.layout.virtual_pipeline is None:
+            return [StageSpec(None, self.is_first_pipeline_stage, self.is_last_pipeline_stage)]
+        return [
+            StageSpec(
+                vp_stage=v,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+            )
+            for v in range(self.layout.virtual_pipeline)
+        ]
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """The ``TransformerConfig`` fields the strategy owns; pass them when building the model config.
+
+        Parallel sizes and dtypes decide how layers are split and allocated, so they must be right when
+        the model is built. The run-time hooks (gradient sync, loss scaling) are installed by the
+        strategy afterwards.
+        """
+        half = self.params_dtype in (torch.bfloat16, torch.float16)
+        return {
+            "tensor_model_parallel_size": self.layout.tensor,
+            "pipeline_model_parallel_size": self.layout.pipeline,
+            "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline,
+            "sequence_parallel": self.layout.sequence_parallel,
+            "params_dtype": self.params_dtype,
+            "pipeline_dtype": self.params_dtype,
+            "bf16": self.params_dtype == torch.bfloat16,
+            "fp16": self.params_dtype == torch.float16,
+            # Megatron-LM keeps softmax in fp32 for half precision; the local attention needs it for fp16.
+            "attention_softmax_in_fp32": half,
+            "use_cpu_initialization": self.on_cpu,
+            # The loss contract is token-weighted sums: megatron-core then scales gradients by the
+            # global token count once, which makes the loss exact across microbatches and replicas.
+            "calculate_per_token_loss": True,
+        }

@@ -1,0 +1,583 @@
+"""``MegatronAppStrategy``: megatron-core tensor, pipeline (and virtual pipeline), data and sequence
+parallelism under Lightning's ``Trainer``.
+
+Lifecycle (Lightning's order):
+
+1. ``setup_environment``: process group (NCCL with ``device_id`` on GPUs, gloo on CPUs), megatron-core
+   parallel state, seeds including the tensor-parallel RNG tracker. On CPUs, ``compat.cpu`` first.
+2. ``configure_model`` (the module's hook): builds this rank's model chunks, reading ``self.parallel``.
+3. ``setup``: move to device, precision wrapper, megatron-core DDP, configuration hooks, optimizer.
+4. Each ``training_step`` calls ``strategy.forward_backward(batch)``: the batch (one data-parallel
+   rank's share of one global batch) is split into microbatches and run through the registered
+   pipeline schedule; the optimizer step that follows is megatron-core's.
+
+The strategy never patches Lightning. The one private import (the script launcher) is in
+``compat.lightning``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
+from torch import Tensor
+
+from lightning_megatron.compat.lightning import ScriptLauncher
+from lightning_megatron.compat.megatron import batched_p2p_is_safe
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.pipeline import get_schedule
+from lightning_megatron.strategy.checkpoint import DistCheckpointIO
+from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
+from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
+from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout
+from lightning_megatron.strategy.precision import MegatronPrecision, from_lightning_plugin
+from lightning_megatron.strategy.step import StepOutput, run_forward_backward
+
+__all__ = ["MegatronAppStrategy"]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model chunk inside the DDP and ``Float16Module`` wrappers."""
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class MegatronAppStrategy(ParallelStrategy):
+    """Train megatron-core models with tensor, pipeline, virtual-pipeline, data and sequence parallelism.
+
+    Data parallelism is what remains of the world: ``devices × num_nodes / (TP × PP)`` replicas.
+
+    Args:
+        tensor_model_parallel_size: GPUs each layer is split across (keep within a node).
+        pipeline_model_parallel_size: Pipeline stages the layers are divided into.
+        virtual_pipeline_model_parallel_size: Model chunks per pipeline rank (interleaved schedule).
+        sequence_parallel: Split the activations outside the tensor-parallel regions along the
+            sequence too (needs TP > 1; saves activation memory).
+        micro_batch_size: Samples per microbatch. A Lightning batch is one optimizer step; it is split
+            into ``batch size / micro_batch_size`` microbatches that flow through the pipeline.
+        schedule: Registered pipeline schedule (``lightning_megatron.pipeline.available_schedules()``).
+            Default: ``"1f1b"``, or ``"interleaved"`` when virtual stages are set.
+        use_distributed_optimizer: Shard optimizer state and master weights across data-parallel
+            ranks (ZeRO-1, megatron-core's distributed optimizer).
+        overlap_grad_reduce: Overlap the data-parallel gradient reduction with the backward pass.
+        overlap_param_gather: With the distributed optimizer, overlap the parameter all-gather with
+            the next forward pass.
+        grad_reduce_in_fp32: Accumulate and reduce gradients in fp32 under bf16/fp16.
+        ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
+        deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
+            autograd graph); saves memory at no cost.
+        ddp_config: Further ``megatron.core.distributed.DistributedDataParallelConfig`` fields.
+        optimizer_config: Further ``megatron.core.optimizer.OptimizerConfig`` fields (loss-scaling
+            knobs, CPU offload, ...). Optimizer type and hyperparameters come from
+            ``configure_optimizers``.
+        seed: Base seed of the model-parallel RNGs (default: ``seed_everything``'s, else 1234).
+        process_group_backend: ``"nccl"`` (GPUs, default there) or ``"gloo"`` (CPUs, default there).
+        timeout: Collective timeout in seconds (or a ``timedelta``): a dead peer raises after this
+            instead of hanging.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: Optional[int] = None,
+        sequence_parallel: bool = False,
+        micro_batch_size: int = 1,
+        schedule: Optional[str] = None,
+        use_distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        grad_reduce_in_fp32: bool = True,
+        ddp_bucket_size: Optional[int] = None,
+        deallocate_pipeline_outputs: bool = True,
+        ddp_config: Optional[dict[str, Any]] = None,
+        optimizer_config: Optional[dict[str, Any]] = None,
+        seed: Optional[int] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = 1800.0,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[MegatronPrecision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.layout = ParallelLayout(
+            tensor=tensor_model_parallel_size,
+            pipeline=pipeline_model_parallel_size,
+            virtual_pipeline=virtual_pipeline_model_parallel_size,
+            sequence_parallel=sequence_parallel,
+        )
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise MegatronConfigError(f"`micro_batch_size` must be a positive integer, got {micro_batch_size!r}.")
+        self.micro_batch_size = micro_batch_size
+        self.schedule = get_schedule(schedule or ("interleaved" if virtual_pipeline_model_parallel_size else "1f1b"))
+        self.schedule.validate(pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline)
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise MegatronConfigError(
+                "`overlap_param_gather=True` overlaps the distributed optimizer's parameter all-gather; set "
+                "`use_distributed_optimizer=True` too, or leave it off."
+            )
+        if process_group_backend not in (None, "nccl", "gloo"):
+            raise MegatronConfigError(
+                f"`process_group_backend` must be 'nccl' (GPUs) or 'gloo' (CPUs), got {process_group_backend!r}."
+            )
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
+        self._ddp_kwargs = dict(
+            grad_reduce_in_fp32=grad_reduce_in_fp32,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
+            use_distributed_optimizer=use_distributed_optimizer,
+            bucket_size=ddp_bucket_size,
+        )
+        for key in ddp_config or {}:
+            if key in self._ddp_kwargs:
+                raise MegatronConfigError(
+                    f"ddp_config[{key!r}] duplicates the strategy argument of that name; use the argument."
+                )
+        self._ddp_kwargs.update(ddp_config or {})
+        self._optimizer_config = dict(optimizer_config or {})
+        self._seed = seed
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self.num_nodes = 1
+        self._parallel: Optional[ParallelContext] = None
+        self._chunks: list[torch.nn.Module] = []  # model chunks as the schedule sees them (wrapped)
+
+    # -- Lightning plumbing -------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="megatron-core TP/PP/VPP/DP/SP (lightning-megatron)", override=True
+        )
+
+    @property
+    def precision_plugin(self) -> MegatronPrecision:  # type: ignore[override]
+        return self._precision_plugin if self._precision_plugin is not None else MegatronPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Any]) -> None:
+        # Lightning builds an autocast plugin from Trainer(precision=...); megatron-core needs its own.
+        self._precision_plugin = from_lightning_plugin(plugin)
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DistCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None, "the Trainer has not assigned devices yet"
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the sharded optimizer template exists only after setup
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Model-parallel peers must see the same samples: sample by data-parallel rank only.
+        return {"num_replicas": self.parallel.data_parallel_size, "rank": self.parallel.data_parallel_rank}
+
+    @property
+    def parallel(self) -> ParallelContext:
+        if self._parallel is None:
+            raise RuntimeError("The parallel layout exists once the Trainer has set up the strategy's processes.")
+        return self._parallel
+
+    @property
+    def model_chunks(self) -> list[torch.nn.Module]:
+        """The model chunks as the pipeline schedule runs them (precision- and DDP-wrapped)."""
+        return list(self._chunks)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    # -- processes and parallel state ---------------------------------------------------------------
+    def setup_environment(self) -> None:
+        on_cpu = self.root_device.type == "cpu"
+        backend = self._process_group_backend or ("gloo" if on_cpu else "nccl")
+        if backend == "nccl" and on_cpu:
+            raise MegatronConfigError(
+                "process_group_backend='nccl' needs GPUs, but the Trainer runs on CPU. Use accelerator='gpu', or "
+                "process_group_backend='gloo' (the CPU default)."
+            )
+        if on_cpu:
+            from lightning_megatron.compat import cpu
+
+            cpu.apply()
+        super().setup_environment()  # the accelerator sets the CUDA device
+        reset_seed()
+        self.set_world_ranks()
+        data_parallel = self.layout.data_parallel_size(self.world_size)  # raises before any collective
+        self._init_process_group(backend, on_cpu)
+        self._init_parallel_state()
+        self._seed_rngs()
+        self._parallel = ParallelContext(self.layout, self.precision_plugin.params_dtype, on_cpu=on_cpu)
+        assert self._parallel.data_parallel_size == data_parallel
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _init_process_group(self, backend: str, on_cpu: bool) -> None:
+        if dist.is_initialized():
+            return
+        assert self.cluster_environment is not None
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if not on_cpu:
+            kwargs["device_id"] = self.root_device
+        dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
+
+    def _init_parallel_state(self) -> None:
+        if parallel_state.model_parallel_is_initialized():
+            same = (
+                parallel_state.get_tensor_model_parallel_world_size() == self.layout.tensor
+                and parallel_state.get_pipeline_model_parallel_world_size() == self.layout.pipeline
+                and parallel_state.get_virtual_pipeline_model_parallel_world_size() == self.layout.virtual_pipeline
+            )
+            if same:
+                return  # a later fit/validate in the same process: the model holds these groups
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.layout.tensor,
+            pipeline_model_parallel_size=self.layout.pipeline,
+            virtual_pipeline_model_parallel_size=self.layout.virtual_pipeline,
+            distributed_timeout_minutes=max(1, int(self._timeout.total_seconds() // 60)),
+        )
+
+    def _seed_rngs(self) -> None:
+        base = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 1234))
+        # As Megatron-LM: pipeline stages get distinct dropout streams; the tracker gives
+        # tensor-parallel ranks distinct streams inside TP regions and equal ones outside.
+        seed = base + 100 * parallel_state.get_pipeline_model_parallel_rank()
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    # -- model setup --------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if trainer.accumulate_grad_batches != 1:
+            raise MegatronConfigError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not used with "
+                "MegatronAppStrategy: one batch is one optimizer step, accumulated over microbatches. Raise the "
+                "global batch size instead (microbatches = batch size per data-parallel rank / micro_batch_size)."
+            )
+        if not self.lightning_module.automatic_optimization:
+            raise MegatronConfigError(
+                "MegatronAppStrategy drives the optimizer itself (the pipeline schedule runs forward and backward "
+                "inside training_step); keep `automatic_optimization = True`."
+            )
+        chunks = self._validated_chunks()
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        wrapped_before = [_unwrap(c) for c in self._chunks]
+        needs_ddp = fitting and not all(isinstance(c, DistributedDataParallel) for c in self._chunks)
+        if wrapped_before != chunks or needs_ddp:
+            wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
+            self._chunks = self._wrap_ddp(wrapped) if fitting else wrapped
+        self._install_config_hooks()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _validated_chunks(self) -> list[torch.nn.Module]:
+        module = self.lightning_module
+        chunks = getattr(module, "model_chunks", None)
+        if not isinstance(chunks, torch.nn.ModuleList) or len(chunks) != self.layout.num_chunks:
+            raise MegatronConfigError(
+                f"{type(module).__name__}.configure_model() must set `self.model_chunks` to a torch.nn.ModuleList "
+                f"with one model chunk per virtual pipeline stage ({self.layout.num_chunks} here); got {chunks!r:.80}. "
+                "Subclass MegatronLightningModule and implement build_chunk(), or build them yourself."
+            )
+        if not callable(getattr(module, "forward_step", None)):
+            raise MegatronConfigError(f"{type(module).__name__} must define forward_step(batch, chunk).")
+        chunk_params = {id(p) for c in chunks for p in c.parameters()}
+        stray = [n for n, p in module.named_parameters() if id(p) not in chunk_params]
+        if stray:
+            raise MegatronConfigError(
+                f"Parameters outside `model_chunks` are not trained or checkpointed by MegatronAppStrategy: {stray[:3]}. "
+                "Move them into the model chunks."
+            )
+        for chunk in chunks:
+            self._check_chunk_config(get_model_config(chunk))
+        return list(chunks)
+
+    def _check_chunk_config(self, config: Any) -> None:
+        expected = self.parallel.config_kwargs()
+        wrong = {
+            k: (getattr(config, k, None), v)
+            for k, v in expected.items()
+            if k not in ("use_cpu_initialization", "calculate_per_token_loss", "attention_softmax_in_fp32")
+            and getattr(config, k, None) != v
+        }
+        if wrong:
+            details = ", ".join(f"{k}={got!r} (strategy: {want!r})" for k, (got, want) in wrong.items())
+            raise MegatronConfigError(
+                f"The model chunks were built with a config that disagrees with the strategy: {details}. Build the "
+                "TransformerConfig with **self.parallel.config_kwargs()."
+            )
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        for chunk in chunks:
+            get_model_config(chunk).calculate_per_token_loss = True  # DDP reads it for its gradient scaling
+        try:
+            ddp_config = DistributedDataParallelConfig(**self._ddp_kwargs)
+        except TypeError as err:
+            raise MegatronConfigError(
+                f"ddp_config has a field megatron-core's DistributedDataParallelConfig lacks: {err}"
+            ) from None
+        wrapped = [
+            # As Megatron-LM: only the first chunk gets bucketed overlap (its gradients are ready last).
+            DistributedDataParallel(get_model_config(c), ddp_config, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
+        for chunk in wrapped:
+            chunk.broadcast_params()  # replicas start identical even if a module's init is rank-dependent
+        return wrapped
+
+    def _install_config_hooks(self) -> None:
+        """Set the run-time hooks megatron-core's schedules read from the model config."""
+        ddp = [c for c in self._chunks if isinstance(c, DistributedDataParallel)]
+
+        def per_chunk(name: str) -> Any:
+            funcs = [getattr(c, name) for c in ddp]
+            return funcs[0] if len(funcs) == 1 else funcs
+
+        on_cpu = self.parallel.on_cpu
+        for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
+            config.calculate_per_token_loss = True
+            config.batch_p2p_comm = batched_p2p_is_safe(
+                on_cpu=on_cpu, pipeline=self.layout.pipeline, virtual_pipeline=self.layout.virtual_pipeline
+            )
+            config.deallocate_pipeline_outputs = self.deallocate_pipeline_outputs
+            if ddp:
+                config.no_sync_func = per_chunk("no_sync")
+                config.finalize_model_grads_func = finalize_model_grads
+                if self._ddp_kwargs["overlap_grad_reduce"]:
+                    config.grad_sync_func = per_chunk("start_grad_sync")
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1 or not isinstance(self.optimizers[0], torch.optim.Optimizer):
+            raise MegatronConfigError(
+                "configure_optimizers() must return exactly one torch optimizer (with any LR schedulers); "
+                f"got {len(self.optimizers)}."
+            )
+        optimizer = build_optimizer(
+            self.optimizers[0],
+            self._chunks,
+            params_dtype=self.precision_plugin.params_dtype,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            extra_config=self._optimizer_config,
+        )
+        self.optimizers = [optimizer]
+        if self.precision_plugin.params_dtype == torch.float16:
+            for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
+                config.grad_scale_func = optimizer.loss_scaler  # type: ignore[attr-defined]
+
+    @property
+    def _optimizer(self) -> Optional[StrategyOptimizer]:
+        opt = self.optimizers[0] if self.optimizers else None
+        return opt if isinstance(opt, StrategyOptimizer) else None
+
+    # -- one step -----------------------------------------------------------------------------------
+    def forward_backward(self, batch: Any, *, forward_only: bool = False) -> StepOutput:
+        """Run one global batch's microbatches through the pipeline schedule; return the exact global loss.
+
+        With ``forward_only=False`` this computes the gradients of the step (after clearing the previous
+        ones); the optimizer update follows in Lightning's optimizer step.
+        """
+        module = self.lightning_module
+        microbatches = split_microbatches(batch, self.micro_batch_size)
+        self.schedule.validate_microbatches(
+            len(microbatches), pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline
+        )
+        seq_of = getattr(module, "microbatch_seq_length", infer_seq_length)
+        if not forward_only:
+            for chunk in self._chunks:
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
+            if self._optimizer is not None:
+                self._optimizer.clear_grads()
+        return run_forward_backward(
+            schedule=self.schedule,
+            chunks=self._chunks,
+            forward_step=module.forward_step,
+            microbatches=microbatches,
+            seq_length=seq_of(microbatches[0]),
+            micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+            device=self.root_device,
+        )
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(opt, StrategyOptimizer) and opt.last_grad_norm is not None:
+            self.lightning_module.log("grad_norm", opt.last_grad_norm, on_step=True, batch_size=1)
+        if isinstance(opt, StrategyOptimizer) and opt.last_step_skipped:
+            self.lightning_module.log("skipped_step", 1.0, on_step=True, batch_size=1)  # fp16 overflow
+        return output
+
+    # -- collectives --------------------------------------------------------------------------------
+    def _default_group(self) -> Optional[Any]:
+        """Data-parallel ranks see different data; model-parallel peers hold the same metric values."""
+        if self._parallel is None:
+            return None
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Reduce over ``group``; by default the data-parallel group (see ``_default_group``)."""
+        if not isinstance(tensor, Tensor) or not dist.is_initialized():
+            return tensor
+        group = group if group is not None else self._default_group()
+        op = reduce_op if reduce_op is not None else "mean"
+        if isinstance(op, str):
+            name = op.lower()
+            if name not in ("mean", "avg", *_REDUCE_OPS):
+                raise ValueError(f"reduce_op={op!r} is not one of 'mean', 'sum', 'max', 'min'.")
+            mean = name in ("mean", "avg")
+            op = dist.ReduceOp.SUM if mean else _REDUCE_OPS[name]
+        else:
+            mean = op == dist.ReduceOp.AVG  # gloo has no AVG: sum, then divide
+            op = dist.ReduceOp.SUM if mean else op
+        result = tensor.clone()
+        if mean and not result.is_floating_point():
+            result = result.float()
+        dist.all_reduce(result, op=op, group=group)
+        return result / dist.get_world_size(group) if mean else result
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather ``tensor`` (same shape everywhere) from ``group``, by default the data-parallel group."""
+        if not dist.is_initialized():
+            return tensor.unsqueeze(0)
+        group = group if group is not None else self._default_group()
+        tensor = tensor.contiguous()
+        if sync_grads:
+            from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+
+            gathered = differentiable_all_gather(tensor, group=group or dist.group.WORLD)
+        else:
+            gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, tensor, group=group)
+        return torch.stack(list(gathered))
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Broadcast a picklable object from global rank ``src`` to every rank."""
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Combine a decision across **all** ranks (e.g. early stopping must stop every stage)."""
+        if not dist.is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def _model_sharded_state_dict(self) -> dict[str, Any]:
+        chunks = self.lightning_module.model_chunks
+        return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._model_sharded_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        assert isinstance(opt, StrategyOptimizer)
+        return opt.sharded_state_dict(self._model_sharded_state_dict(), is_loading=False)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every rank writes its shards (Lightning's default saves on rank 0 only)."""
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        template: dict[str, Any] = {"state_dict": self._model_sharded_state_dict()}
+        optimizer = self._optimizer
+        if optimizer is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            template["optimizer_states"] = [optimizer.sharded_state_dict(template["state_dict"], is_loading=True)]
+        load = self.checkpoint_io.load_checkpoint
+        if isinstance(self.checkpoint_io, DistCheckpointIO):
+            return load(checkpoint_path, weights_only=weights_only, sharded_state_dict=template)
+        return load(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        for i, chunk in enumerate(self.lightning_module.model_chunks):
+            chunk.load_state_dict(state[f"chunk{i}"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        optimizer = self._optimizer
+        if optimizer is not None:
+            optimizer.load_sharded_state_dict(checkpoint["optimizer_states"][0])
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()

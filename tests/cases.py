@@ -1,0 +1,90 @@
+"""Functions that run inside forked ranks (see ``distributed.py``): one Lightning run each."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+
+from lightning_megatron import MegatronAppStrategy
+from lightning_megatron.data import SyntheticTokenDataModule
+from lightning_megatron.models import GPTModule
+
+TINY_MODEL = dict(vocab_size=128, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4)
+
+
+class Recorder(pl.Callback):
+    """Per-step train_loss and grad_norm as this rank logged them, and the validation losses."""
+
+    def __init__(self) -> None:
+        self.loss: list[float] = []
+        self.grad_norm: list[float] = []
+        self.lr: list[float] = []
+        self.val_loss: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        metrics = trainer.callback_metrics
+        self.loss.append(float(metrics["train_loss"]))
+        self.grad_norm.append(float(metrics["grad_norm"]))
+        self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        # (not on_validation_epoch_end: callbacks run before the module logs val_loss there)
+        if not trainer.sanity_checking:
+            self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def fit_gpt(
+    world_size: int,
+    *,
+    steps: int = 4,
+    precision: str = "32-true",
+    model: Optional[dict[str, Any]] = None,
+    data: Optional[dict[str, Any]] = None,
+    trainer: Optional[dict[str, Any]] = None,
+    ckpt_path: Optional[str] = None,
+    callbacks: Optional[list] = None,
+    module_cls: type = GPTModule,
+    accelerator: str = "cpu",
+    **strategy: Any,
+) -> dict[str, Any]:
+    strategy.setdefault("micro_batch_size", 2)
+    strategy.setdefault("timeout", 60)
+    recorder = Recorder()
+    trainer_kwargs = dict(
+        accelerator=accelerator,
+        devices=world_size,
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer_kwargs.update(trainer or {})
+    run = pl.Trainer(
+        strategy=MegatronAppStrategy(**strategy), callbacks=[recorder, *(callbacks or [])], **trainer_kwargs
+    )
+    module = module_cls(**{**TINY_MODEL, "lr": 1e-2, **(model or {})})
+    datamodule = SyntheticTokenDataModule(
+        **{
+            "vocab_size": 128,
+            "seq_length": 16,
+            "global_batch_size": 8,
+            "num_train_samples": 256,
+            "num_val_samples": 32,
+            **(data or {}),
+        }
+    )
+    run.fit(module, datamodule, ckpt_path=ckpt_path)
+    return {
+        "loss": recorder.loss,
+        "grad_norm": recorder.grad_norm,
+        "lr": recorder.lr,
+        "val_loss": recorder.val_loss,
+        "global_step": run.global_step,
+        "coordinates": run.strategy.parallel.coordinates,
+        "params_dtype": str(next(module.parameters()).dtype),
+    }
