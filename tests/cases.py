@@ -25,7 +25,8 @@ class Recorder(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         metrics = trainer.callback_metrics
         self.loss.append(float(metrics["train_loss"]))
-        self.grad_norm.append(float(metrics["grad_norm"]))
+        # No grad_norm on a step skipped for fp16 overflow (that step logs skipped_step instead).
+        self.grad_norm.append(float(metrics["grad_norm"]) if "grad_norm" in metrics else float("nan"))
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
     def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from cases import fit_gpt
+from cases import TINY_MODEL, fit_gpt
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_megatron.models import GPTModule
@@ -129,3 +129,38 @@ def test_incomplete_checkpoint_is_refused(ranks: Any, saved_tp2: tuple[Path, dic
             (broken / f.name).write_bytes(f.read_bytes())
     messages = ranks.run(2, incomplete_resume, 2, str(broken))
     assert all("incomplete" in m and "trainer_state.pt" in m for m in messages), messages
+
+
+def validate_checkpoint(world_size: int, ckpt: str, **strategy: Any) -> float:
+    """``trainer.validate(ckpt_path=...)``: loads only the model, at any layout."""
+    import lightning.pytorch as pl
+
+    from lightning_megatron import MegatronAppStrategy
+    from lightning_megatron.data import SyntheticTokenDataModule
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=MegatronAppStrategy(micro_batch_size=2, timeout=60, **strategy),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2,
+    )
+    module = GPTModule(**{**TINY_MODEL, "lr": 1e-2, "warmup_steps": 2})
+    data = SyntheticTokenDataModule(vocab_size=128, seq_length=16, global_batch_size=8, num_val_samples=32, **DATA)
+    (metrics,) = trainer.validate(module, data, ckpt_path=ckpt, verbose=False)
+    return metrics["val_loss"]
+
+
+def test_validate_from_checkpoint_at_other_layouts(ranks: Any, saved_tp2: tuple[Path, dict]) -> None:
+    ckpt = str(saved_tp2[0] / f"epoch=0-step={SAVE_EVERY}.ckpt")
+    reference = ranks.run(2, validate_checkpoint, 2, ckpt, tensor_model_parallel_size=2)
+    assert reference[0] == reference[1]
+    for world_size, layout in [
+        (1, {}),
+        (2, {"pipeline_model_parallel_size": 2}),
+        (4, {"pipeline_model_parallel_size": 4}),
+    ]:
+        for value in ranks.run(world_size, validate_checkpoint, world_size, ckpt, **layout):
+            assert value == pytest.approx(reference[0], rel=1e-5), layout

@@ -39,7 +39,7 @@ class LRProbe(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         optimizer = trainer.strategy.optimizers[0]
-        self.next_user.append([g["lr"] for g in optimizer.hyperparams.param_groups])
+        self.next_user.append([g["lr"] for g in optimizer.user_optimizer.param_groups])
         self.applied.append(sorted({(g["lr"], g["weight_decay"]) for g in optimizer.megatron.param_groups}))
 
 

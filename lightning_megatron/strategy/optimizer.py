@@ -53,11 +53,11 @@ class StrategyOptimizer(torch.optim.Optimizer):
     buffers itself before each schedule run (``clear_grads``).
     """
 
-    def __init__(self, hyperparams: torch.optim.Optimizer) -> None:
+    def __init__(self, user_optimizer: torch.optim.Optimizer) -> None:
         # Optimizer.__init__ is not called: this object owns no parameters of its own. It exposes the
         # user's optimizer's groups, the ones their LR schedulers adjust.
-        self.hyperparams = hyperparams
-        self.defaults = hyperparams.defaults
+        self.user_optimizer = user_optimizer
+        self.defaults = user_optimizer.defaults
         self.state: dict = {}
         self.clip_grad: float = 0.0
         self.last_grad_norm: Optional[float] = None
@@ -65,7 +65,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.hyperparams.param_groups
+        return self.user_optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
@@ -91,16 +91,16 @@ class StrategyOptimizer(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _hyperparam_state(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.hyperparams.param_groups]
+    def _user_group_state(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups]
 
-    def _load_hyperparam_state(self, saved: Sequence[dict[str, Any]]) -> None:
-        if len(saved) != len(self.hyperparams.param_groups):
+    def _load_user_group_state(self, saved: Sequence[dict[str, Any]]) -> None:
+        if len(saved) != len(self.user_optimizer.param_groups):
             raise MegatronConfigError(
                 f"The checkpoint's optimizer has {len(saved)} parameter groups, configure_optimizers returned "
-                f"{len(self.hyperparams.param_groups)}. Resume with the same parameter grouping."
+                f"{len(self.user_optimizer.param_groups)}. Resume with the same parameter grouping."
             )
-        for group, values in zip(self.hyperparams.param_groups, saved):
+        for group, values in zip(self.user_optimizer.param_groups, saved):
             group.update({k: v for k, v in values.items() if k != "params"})
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -113,9 +113,9 @@ class MegatronOptimizer(StrategyOptimizer):
     """megatron-core's optimizer, driven by the hyperparameters of the user's torch optimizer."""
 
     def __init__(
-        self, hyperparams: torch.optim.Optimizer, megatron_optimizer: Any, merged_groups: dict[int, list[int]]
+        self, user_optimizer: torch.optim.Optimizer, megatron_optimizer: Any, merged_groups: dict[int, list[int]]
     ) -> None:
-        super().__init__(hyperparams)
+        super().__init__(user_optimizer)
         self.megatron = megatron_optimizer
         self._merged_groups = {k: v for k, v in merged_groups.items() if len(v) > 1}
 
@@ -123,7 +123,7 @@ class MegatronOptimizer(StrategyOptimizer):
         self.megatron.zero_grad()
 
     def _sync_hyperparams(self) -> None:
-        user_groups = self.hyperparams.param_groups
+        user_groups = self.user_optimizer.param_groups
         for first, indices in self._merged_groups.items():
             for other in indices[1:]:
                 if any(user_groups[other].get(k) != user_groups[first].get(k) for k in _SYNCED_KEYS):
@@ -146,7 +146,7 @@ class MegatronOptimizer(StrategyOptimizer):
         success, grad_norm, _ = self.megatron.step()
         self.last_step_skipped = not success
         self.last_grad_norm = None if grad_norm is None else float(grad_norm)
-        mark_optimizer_stepped(self.hyperparams)
+        mark_optimizer_stepped(self.user_optimizer)
 
     @property
     def loss_scaler(self):  # noqa: ANN201
@@ -160,21 +160,21 @@ class MegatronOptimizer(StrategyOptimizer):
             "megatron": self.megatron.sharded_state_dict(
                 model_sharded_state_dict, is_loading=is_loading, metadata=dict(_DISTRIBUTED_OPTIMIZER_CHECKPOINT)
             ),
-            "hyperparams": self._hyperparam_state(),
+            "user_param_groups": self._user_group_state(),
         }
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         self.megatron.load_state_dict(state["megatron"])
         finish_distributed_optimizer_load(self.megatron)
-        self._load_hyperparam_state(state["hyperparams"])
+        self._load_user_group_state(state["user_param_groups"])
 
 
 class TorchOptimizer(StrategyOptimizer):
     """A torch optimizer megatron-core cannot express, stepping on gradients the strategy synchronised."""
 
-    def __init__(self, hyperparams: torch.optim.Optimizer) -> None:
-        super().__init__(hyperparams)
-        self._params = [p for g in hyperparams.param_groups for p in g["params"] if p.requires_grad]
+    def __init__(self, user_optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(user_optimizer)
+        self._params = [p for g in user_optimizer.param_groups for p in g["params"] if p.requires_grad]
 
     def clear_grads(self) -> None:
         for p in self._params:
@@ -196,7 +196,7 @@ class TorchOptimizer(StrategyOptimizer):
             clip_grad_by_total_norm_fp32([p for p in self._params if p.grad is not None], self.clip_grad, norm)
         self.last_grad_norm = float(norm)
         self.last_step_skipped = False
-        self.hyperparams.step()
+        self.user_optimizer.step()
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool) -> dict[str, Any]:
         pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
@@ -206,7 +206,7 @@ class TorchOptimizer(StrategyOptimizer):
         )
         # The state is keyed by parameter position on this rank, so it is one object per (pp, tp) rank,
         # replicated across data-parallel ranks.
-        data = None if is_loading else self.hyperparams.state_dict()
+        data = None if is_loading else self.user_optimizer.state_dict()
         return {
             "torch": ShardedObject(
                 "optimizer.torch_state", data, shape, (pp, tp), replica_id=parallel_state.get_data_parallel_rank()
@@ -214,7 +214,7 @@ class TorchOptimizer(StrategyOptimizer):
         }
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        self.hyperparams.load_state_dict(state["torch"])
+        self.user_optimizer.load_state_dict(state["torch"])
 
 
 def _megatron_config_kwargs(optimizer: torch.optim.Optimizer) -> tuple[Optional[dict[str, Any]], str]:

@@ -226,7 +226,7 @@ class MegatronAppStrategy(ParallelStrategy):
         return self._parallel
 
     @property
-    def model_chunks(self) -> list[torch.nn.Module]:
+    def wrapped_chunks(self) -> list[torch.nn.Module]:
         """The model chunks as the pipeline schedule runs them (precision- and DDP-wrapped)."""
         return list(self._chunks)
 
