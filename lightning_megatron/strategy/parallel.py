@@ -109,7 +109,7 @@ class ParallelContext:
         self.data_parallel_rank = parallel_state.get_data_parallel_rank()
         self.data_parallel_size = parallel_state.get_data_parallel_world_size()
         self.process_groups = ProcessGroupCollection.use_mpu_process_groups(
-            required_pgs=["tp", "pp", "mp", "cp", "dp", "dp_cp", "embd", "pos_embd", "tp_dp_cp"]
+            required_pgs=["tp", "pp", "mp", "cp", "dp", "dp_cp", "embd", "pos_embd"]
         )
 
     @property
