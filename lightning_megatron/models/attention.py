@@ -1,0 +1,72 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+megatron-core's local ``DotProductAttention`` materializes the full ``[batch, heads, seq, seq]`` score
+matrix with ``baddbmm``, a separate softmax and ``bmm`` — without Transformer Engine that unfused path is
+what made megatron-core's GPT 2.3× slower than a plain PyTorch model on an H100. PyTorch's SDPA picks a
+fused kernel (FlashAttention or memory-efficient attention on GPUs) for the same math: causal masking,
+GQA, dropout, the same softmax scale. This class keeps ``DotProductAttention``'s constructor (head
+partitioning under tensor parallelism, scale, dropout) and replaces only the computation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from lightning_megatron.errors import MegatronConfigError
+
+__all__ = ["SDPAttention"]
+
+
+class SDPAttention(DotProductAttention):
+    """Drop-in core attention for megatron-core layer specs (``core_attention=SDPAttention``)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, *args, **kwargs) -> None:  # noqa: ANN001
+        super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+        if self.config.window_size is not None or self.config.softmax_type != "vanilla":
+            raise MegatronConfigError(
+                "layer_spec='sdpa' supports full causal attention with the vanilla softmax; use layer_spec='local' "
+                "for sliding-window attention or other softmax types."
+            )
+        # megatron-core divides the scale by the layer number and multiplies it back inside its softmax.
+        self.sdpa_scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        self.gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[object] = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise MegatronConfigError("layer_spec='sdpa' does not take packed sequences or attention biases.")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        # megatron-core: [seq, batch, heads, head_dim]; SDPA: [batch, heads, seq, head_dim].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        causal = mask_type == AttnMaskType.causal and attention_mask is None
+        # megatron-core's masks are True where attention is *not* allowed; SDPA's boolean masks the opposite.
+        mask = None if attention_mask is None else ~attention_mask
+        dropout = self.attention_dropout.p if self.training else 0.0
+
+        def attend() -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.sdpa_scale, enable_gqa=self.gqa
+            )
+
+        if dropout > 0 and not self.config.sequence_parallel:
+            # As DotProductAttention: dropout inside the tensor-parallel region draws from the TP RNG stream.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attend()
+        else:
+            context = attend()
+        seq, batch = query.shape[0], query.shape[1]
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
