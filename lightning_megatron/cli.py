@@ -3,6 +3,7 @@
     lightning-megatron fit --config recipes/gpt-tiny-cpu.yaml
     lightning-megatron fit --config recipes/gpt-tiny-cpu.yaml --trainer.max_steps=50
     lightning-megatron validate --config recipes/gpt-tiny-cpu.yaml --ckpt_path=runs/.../last.ckpt
+    lightning-megatron preprocess --input corpus.jsonl.gz --output-prefix data/corpus --tokenizer DIR_OR_FILE
 
 Models and data modules are given by class (``model: {class_path: ..., init_args: ...}``; the short
 names ``GPTModule`` / ``SyntheticTokenDataModule`` work), the strategy by class or by its registered
@@ -12,6 +13,7 @@ checkpoint directory (``config.yaml``), so a checkpoint says how it was trained.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -35,6 +37,12 @@ class SaveConfigWithCheckpoints(SaveConfigCallback):
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "preprocess":  # corpus preparation is not a Trainer command
+        from lightning_megatron.data.preprocess import main as preprocess
+
+        preprocess(argv[1:])
+        return
     LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,

@@ -46,6 +46,7 @@ def fit_gpt(
     ckpt_path: Optional[str] = None,
     callbacks: Optional[list] = None,
     module_cls: type = GPTModule,
+    datamodule: Optional[pl.LightningDataModule] = None,
     accelerator: str = "cpu",
     **strategy: Any,
 ) -> dict[str, Any]:
@@ -69,7 +70,7 @@ def fit_gpt(
         strategy=MegatronAppStrategy(**strategy), callbacks=[recorder, *(callbacks or [])], **trainer_kwargs
     )
     module = module_cls(**{**TINY_MODEL, "lr": 1e-2, **(model or {})})
-    datamodule = SyntheticTokenDataModule(
+    datamodule = datamodule or SyntheticTokenDataModule(
         **{
             "vocab_size": 128,
             "seq_length": 16,

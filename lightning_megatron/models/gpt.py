@@ -7,8 +7,10 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import unwrap_model
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.models.init import init_split_invariant_
@@ -17,7 +19,15 @@ from lightning_megatron.models.specs import LayerSpecName, gpt_block_spec
 from lightning_megatron.strategy.parallel import StageSpec
 from lightning_megatron.strategy.step import LossFn
 
-__all__ = ["GPTModule"]
+__all__ = ["GPTModule", "gelu_tanh"]
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (GPT-2's ``gelu_new``); a named function so configs stay picklable."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": gelu_tanh, "swiglu": F.silu}
 
 
 class GPTModule(MegatronLightningModule):
@@ -33,8 +43,18 @@ class GPTModule(MegatronLightningModule):
         num_layers, hidden_size, num_attention_heads, ffn_hidden_size, num_query_groups: Shape
             (``ffn_hidden_size`` defaults to 4 × hidden; ``num_query_groups`` < heads is GQA).
         position_embedding_type: ``"learned_absolute"`` (GPT-2) or ``"rope"`` (Llama).
-        normalization, activation, add_bias_linear: ``LayerNorm``/``gelu``/biases is GPT-2;
-            ``RMSNorm``/``swiglu``/no biases is Llama.
+        normalization, activation, add_bias_linear: ``LayerNorm``/``gelu``/biases is GPT-2 (whose
+            Hugging Face weights use ``gelu_tanh``); ``RMSNorm``/``swiglu``/no biases is Llama.
+        kv_channels: Width of one attention head (default ``hidden_size // num_attention_heads``).
+        layernorm_epsilon: Epsilon of every LayerNorm/RMSNorm (Llama checkpoints use 1e-5 or 1e-6).
+        rotary_base: RoPE base (``rope_theta``), used with ``position_embedding_type="rope"``.
+        mask_padded_vocab: Give the padding rows of the vocabulary (ids >= ``vocab_size``) zero
+            probability in the loss, so the loss equals one over the real vocabulary only (what a
+            converted checkpoint needs to reproduce its original loss). Off by default: the padded
+            rows then take part in the softmax, as in Megatron-LM.
+        hf_checkpoint: A local Hugging Face checkpoint directory (``config.json`` + safetensors) whose
+            weights ``configure_model`` loads instead of initializing; build the other arguments with
+            ``lightning_megatron.convert.hf_config_to_gpt_kwargs``.
         layer_spec: Which implementation of the transformer layer to use (see ``models.specs``).
         split_invariant_init: Initialize so every parallel layout starts from the same weights.
         lr, min_lr, warmup_steps, weight_decay, betas, eps: AdamW with linear warmup and cosine
@@ -52,13 +72,18 @@ class GPTModule(MegatronLightningModule):
         num_query_groups: Optional[int] = None,
         position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute",
         normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm",
-        activation: Literal["gelu", "swiglu"] = "gelu",
+        activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu",
         add_bias_linear: bool = True,
         share_embeddings_and_output_weights: bool = False,
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
         init_method_std: float = 0.02,
         make_vocab_size_divisible_by: int = 128,
+        kv_channels: Optional[int] = None,
+        layernorm_epsilon: float = 1e-5,
+        rotary_base: float = 10000.0,
+        mask_padded_vocab: bool = False,
+        hf_checkpoint: Optional[str] = None,
         layer_spec: LayerSpecName = "local",
         split_invariant_init: bool = True,
         init_seed: int = 1234,
@@ -88,6 +113,8 @@ class GPTModule(MegatronLightningModule):
                     f"make_vocab_size_divisible_by={hp.make_vocab_size_divisible_by} must be a multiple of "
                     f"tensor_model_parallel_size={self.parallel.layout.tensor} so the padded vocabulary splits evenly."
                 )
+            if hp.activation not in _ACTIVATIONS:
+                raise MegatronConfigError(f"activation={hp.activation!r} is not one of {sorted(_ACTIVATIONS)}.")
             swiglu = hp.activation == "swiglu"
             self._config = TransformerConfig(
                 num_layers=hp.num_layers,
@@ -101,7 +128,9 @@ class GPTModule(MegatronLightningModule):
                 normalization=hp.normalization,
                 add_bias_linear=hp.add_bias_linear,
                 gated_linear_unit=swiglu,
-                activation_func=F.silu if swiglu else F.gelu,
+                activation_func=_ACTIVATIONS[hp.activation],
+                kv_channels=hp.kv_channels,
+                layernorm_epsilon=hp.layernorm_epsilon,
                 **self.parallel.config_kwargs(),
             )
         return self._config
@@ -117,6 +146,7 @@ class GPTModule(MegatronLightningModule):
             post_process=stage.post_process,
             share_embeddings_and_output_weights=self.hparams.share_embeddings_and_output_weights,
             position_embedding_type=self.hparams.position_embedding_type,
+            rotary_base=self.hparams.rotary_base,
             vp_stage=stage.vp_stage,
         )
 
@@ -124,7 +154,11 @@ class GPTModule(MegatronLightningModule):
         if getattr(self, "model_chunks", None) is not None:
             return
         super().configure_model()
-        if self.hparams.split_invariant_init:
+        if self.hparams.hf_checkpoint is not None:
+            from lightning_megatron.convert.hf import load_hf_weights_
+
+            load_hf_weights_(self.model_chunks, self.hparams.hf_checkpoint)
+        elif self.hparams.split_invariant_init:
             init_split_invariant_(
                 self.model_chunks,
                 seed=self.hparams.init_seed,
@@ -137,17 +171,38 @@ class GPTModule(MegatronLightningModule):
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        # Every stage gets the whole microbatch: the first uses the tokens, the last the labels.
-        output = chunk(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=batch["labels"])
+        labels = batch["labels"]
         loss_mask = batch.get("loss_mask")
+        if self.hparams.mask_padded_vocab and unwrap_model(chunk).post_process:
+            # Logits out of the chunk; the loss function masks the padded vocabulary before the softmax.
+            logits = chunk(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+            return logits, self._masked_vocab_loss_fn(labels, loss_mask)
+        # Every stage gets the whole microbatch: the first uses the tokens, the last the labels.
+        output = chunk(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=labels)
+        return output, self._loss_fn(loss_mask)
 
+    def _masked_vocab_loss_fn(self, labels: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> LossFn:
+        token_loss_fn = self._loss_fn(loss_mask)
+
+        def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # logits: [batch, seq, padded_vocab / TP], this tensor-parallel rank's slice of the vocabulary.
+            local = logits.shape[-1]
+            start = parallel_state.get_tensor_model_parallel_rank() * local
+            ids = torch.arange(start, start + local, device=logits.device)
+            logits = logits.float().masked_fill(ids >= self.hparams.vocab_size, torch.finfo(torch.float32).min)
+            return token_loss_fn(tensor_parallel.vocab_parallel_cross_entropy(logits, labels))
+
+        return loss_fn
+
+    @staticmethod
+    def _loss_fn(loss_mask: Optional[torch.Tensor]) -> LossFn:
         def loss_fn(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if loss_mask is None:
                 return per_token_loss.float().sum(), torch.tensor(per_token_loss.numel(), device=per_token_loss.device)
             mask = loss_mask.to(per_token_loss.dtype)
             return (per_token_loss.float() * mask).sum(), mask.sum()
 
-        return output, loss_fn
+        return loss_fn
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

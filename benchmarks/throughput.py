@@ -1,0 +1,409 @@
+"""Training throughput: this strategy (per layer spec) vs a raw megatron-core loop vs plain `transformers`.
+
+    python benchmarks/throughput.py --out benchmarks/results/throughput.json       # every case that fits
+    python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf
+    python benchmarks/throughput.py --cpu-dry-run --out /tmp/throughput.json        # tiny shapes, checks plumbing
+
+Every case runs in its own processes (``torchrun --standalone``), one after another, so runs do not share
+memory or caches. Each reports the median step time over the measured steps (after warm-up), tokens per
+second, model TFLOP/s per GPU by Megatron-LM's formula (``num_floating_point_operations``), and the peak
+memory of the busiest GPU.
+
+Runners:
+* ``strategy-<spec>``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule(layer_spec=<spec>)``.
+* ``mcore-<spec>``: the same model in a hand-written megatron-core loop (``get_forward_backward_func`` +
+  megatron-core DDP + megatron-core optimizer), the baseline the strategy must match (≥ 0.98×).
+* ``hf``: ``transformers.GPT2LMHeadModel`` with SDPA attention, autocast bf16 and fused AdamW (1 GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name: model shape, batch, and the layouts to run it at (name: (GPUs, TP, PP)).
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt2-medium": dict(
+        num_layers=24,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=1024,
+        vocab_size=50257,
+        micro_batch_size=8,
+        num_microbatches=4,
+        layouts={"1gpu": (1, 1, 1)},
+    ),
+    "gpt-1.3b": dict(
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=16,
+        seq_length=2048,
+        vocab_size=50257,
+        micro_batch_size=4,
+        num_microbatches=8,
+        layouts={"tp2": (2, 2, 1), "pp2": (2, 1, 2), "tp2-pp2": (4, 2, 2)},
+    ),
+}
+DRY_RUN_MODEL = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=64,
+    vocab_size=500,
+    micro_batch_size=2,
+    num_microbatches=2,
+    layouts={"1gpu": (1, 1, 1), "tp2": (2, 2, 1)},
+)
+RUNNERS = ["strategy-local", "strategy-sdpa", "mcore-local", "mcore-sdpa", "hf"]
+WARMUP, MEASURED = 5, 10
+
+
+def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
+    """Megatron-LM's ``num_floating_point_operations`` for a dense GPT (no GLU, no GQA, vocab padded to 128)."""
+    h, layers, s = m["hidden_size"], m["num_layers"], m["seq_length"]
+    vocab = -(-m["vocab_size"] // 128) * 128
+    ffn = 4 * h
+    return 12 * global_batch * s * layers * h * h * ((1 + 1 + s / h) + ffn / h + vocab / (2 * layers * h))
+
+
+# -- runners (inside the launched processes) -------------------------------------------------------------
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_memory_gib() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def run_strategy(spec: dict[str, Any]) -> list[float]:
+    import lightning.pytorch as pl
+
+    from lightning_megatron import MegatronAppStrategy
+    from lightning_megatron.data import SyntheticTokenDataModule
+    from lightning_megatron.models import GPTModule
+
+    m, (gpus, tp, pp) = spec["model"], spec["layout"]
+    dp = gpus // (tp * pp)
+    gbs = m["micro_batch_size"] * m["num_microbatches"] * dp
+    times: list[float] = []
+
+    class StepTimer(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            _synchronize()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            _synchronize()
+            times.append(time.perf_counter() - self.start)
+
+    trainer = pl.Trainer(
+        accelerator=spec["accelerator"],
+        devices=gpus,
+        precision="bf16-mixed",
+        strategy=MegatronAppStrategy(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=m["micro_batch_size"]
+        ),
+        max_steps=WARMUP + MEASURED,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[StepTimer()],
+    )
+    model = GPTModule(
+        vocab_size=m["vocab_size"],
+        seq_length=m["seq_length"],
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        layer_spec=spec["runner"].split("-", 1)[1],
+        split_invariant_init=False,
+    )
+    data = SyntheticTokenDataModule(
+        vocab_size=m["vocab_size"],
+        seq_length=m["seq_length"],
+        global_batch_size=gbs,
+        num_train_samples=gbs * (WARMUP + MEASURED),
+    )
+    trainer.fit(model, data)
+    return times[WARMUP:]
+
+
+def run_mcore(spec: dict[str, Any]) -> list[float]:
+    """The hand-written megatron-core loop: what a Megatron user writes without Lightning."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from lightning_megatron.models.specs import gpt_block_spec
+
+    m, (_, tp, pp) = spec["model"], spec["layout"]
+    on_cpu = spec["accelerator"] == "cpu"
+    if on_cpu:
+        from lightning_megatron.compat import cpu
+
+        cpu.apply()
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("gloo" if on_cpu else "nccl")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    config = TransformerConfig(
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        attention_softmax_in_fp32=True,
+        use_cpu_initialization=on_cpu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        batch_p2p_comm=not on_cpu,
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=True,
+    )
+    padded_vocab = -(-m["vocab_size"] // 128) * 128
+    model = GPTModel(
+        config,
+        gpt_block_spec(spec["runner"].split("-", 1)[1], config),
+        padded_vocab,
+        m["seq_length"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    ).to(device)
+    model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    model = DistributedDataParallel(config, ddp_config, module=model)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-4, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0), [model]
+    )
+
+    mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
+    tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq + 1), device=device)
+    positions = torch.arange(seq, device=device).expand(mbs, seq)
+
+    def forward_step(data_iterator, chunk):  # noqa: ANN001, ANN202
+        sample = next(data_iterator)
+        output = chunk(input_ids=sample[:, :-1], position_ids=positions, attention_mask=None, labels=sample[:, 1:])
+
+        def loss_fn(per_token_loss):  # noqa: ANN001, ANN202
+            return (
+                per_token_loss.float().sum(),
+                torch.tensor(per_token_loss.numel(), device=device, dtype=torch.int),
+                {},
+            )
+
+        return output, loss_fn
+
+    forward_backward = get_forward_backward_func()
+    times = []
+    for _ in range(WARMUP + MEASURED):
+        _synchronize()
+        start = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(tokens),
+            model=[model],
+            num_microbatches=nmb,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+        optimizer.step()
+        _synchronize()
+        times.append(time.perf_counter() - start)
+    return times[WARMUP:]
+
+
+def run_hf(spec: dict[str, Any]) -> list[float]:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = spec["model"]
+    on_cpu = spec["accelerator"] == "cpu"
+    device = torch.device("cpu" if on_cpu else "cuda")
+    config = GPT2Config(
+        n_layer=m["num_layers"],
+        n_embd=m["hidden_size"],
+        n_head=m["num_attention_heads"],
+        n_positions=m["seq_length"],
+        vocab_size=m["vocab_size"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
+    model = GPT2LMHeadModel(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not on_cpu)
+    mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
+    tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq), device=device)
+    times = []
+    for _ in range(WARMUP + MEASURED):
+        _synchronize()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        for micro in tokens:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=micro, labels=micro).loss / nmb
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        _synchronize()
+        times.append(time.perf_counter() - start)
+    return times[WARMUP:]
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    runner = spec["runner"]
+    times = run_hf(spec) if runner == "hf" else run_mcore(spec) if runner.startswith("mcore") else run_strategy(spec)
+    rank = int(os.environ.get("RANK", 0))
+    record = {"rank": rank, "step_seconds": times, "peak_memory_gib": _peak_memory_gib()}
+    Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(record))
+
+
+# -- driver ----------------------------------------------------------------------------------------------
+def _launch(name: str, layout: str, runner: str, model: dict, accelerator: str, workdir: Path) -> dict[str, Any]:
+    gpus, tp, pp = model["layouts"][layout]
+    result_dir = workdir / f"{name}-{layout}-{runner}"
+    result_dir.mkdir(parents=True)
+    spec = {
+        "runner": runner,
+        "model": model,
+        "layout": (gpus, tp, pp),
+        "accelerator": accelerator,
+        "result_dir": str(result_dir),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        __file__,
+        "--worker-spec",
+        json.dumps(spec),
+    ]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    ranks = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
+    if proc.returncode != 0 or len(ranks) != gpus:
+        return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    step = statistics.median(max(r["step_seconds"][i] for r in ranks) for i in range(len(ranks[0]["step_seconds"])))
+    dp = gpus // (tp * pp)
+    gbs = model["micro_batch_size"] * model["num_microbatches"] * dp
+    return {
+        "gpus": gpus,
+        "tp": tp,
+        "pp": pp,
+        "global_batch_size": gbs,
+        "step_seconds_median": step,
+        "tokens_per_second": gbs * model["seq_length"] / step,
+        "model_tflops_per_gpu": model_flops_per_step(model, gbs) / step / gpus / 1e12,
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in ranks),
+    }
+
+
+def _environment() -> dict[str, Any]:
+    import lightning
+    import megatron.core
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        import transformers
+
+        hf = transformers.__version__
+    except ImportError:
+        hf = None
+    return {
+        "device": f"{len(gpus)}x {gpus[0]}" if gpus else f"CPU ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
+        "megatron_core": megatron.core.__version__,
+        "transformers": hf,
+        "python": platform.python_version(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="*", help="cases as model/layout, e.g. gpt2-medium/1gpu")
+    parser.add_argument("--runners", nargs="*", default=RUNNERS)
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing only")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/throughput.json")
+    args = parser.parse_args()
+    if args.worker_spec:
+        _worker(json.loads(args.worker_spec))
+        return 0
+
+    import torch
+
+    accelerator = "cpu" if args.cpu_dry_run else "gpu"
+    models = {"dry-run": DRY_RUN_MODEL} if args.cpu_dry_run else MODELS
+    available = 2 if args.cpu_dry_run else torch.cuda.device_count()
+    report = {
+        "what": "training throughput, bf16, synthetic tokens; median step after warm-up",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **_environment(),
+        "warmup_steps": WARMUP,
+        "measured_steps": MEASURED,
+        "models": models,
+        "runs": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model in models.items():
+            for layout, (gpus, _, _) in model["layouts"].items():
+                if gpus > available or (args.only and f"{name}/{layout}" not in args.only):
+                    continue
+                for runner in args.runners:
+                    if runner == "hf" and gpus > 1:
+                        continue  # the transformers baseline is single-GPU
+                    result = _launch(name, layout, runner, model, accelerator, Path(tmp))
+                    report["runs"][f"{name}/{layout}/{runner}"] = result
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(report, indent=1))
+                    shown = result.get("error") or (
+                        f"{result['tokens_per_second']:9.0f} tok/s {result['model_tflops_per_gpu']:7.1f} TFLOP/s/GPU "
+                        f"{result['peak_memory_gib']:6.1f} GiB"
+                    )
+                    print(f"{name:>12} {layout:>8} {runner:>15}  {shown}", flush=True)
+    return 0 if all("error" not in r for r in report["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,481 @@
+"""Hugging Face checkpoints (GPT-2, Llama) to and from ``GPTModule``, at any tensor/pipeline layout.
+
+Shards are located through megatron-core's sharded state dict, as ``models.init`` does: every
+``ShardedTensor`` of a chunk names a *global* tensor (``key``, ``global_shape``, with ``prepend_axis_num``
+leading layer axes whose offsets are the global layer number) and where this rank's piece of it lies
+(``global_offset``; ``data`` is the local parameter or a view of it). Import builds the full global tensor
+of each key from the Hugging Face weights and copies out this rank's piece, so every layout reads the same
+checkpoint with no resharding step. Export runs the other way: ranks send their pieces to global rank 0,
+which assembles and converts them.
+
+Layouts that differ between the two worlds:
+
+* megatron-core fuses Q, K and V into one ``linear_qkv`` whose rows are grouped per query group
+  ``[q heads of the group, k, v]`` (GQA aware); Hugging Face keeps ``[all q; all k; all v]``.
+* SwiGLU ``linear_fc1`` is ``[gate; up]``.
+* GPT-2 stores its linear layers as ``Conv1D`` (``[in, out]``, transposed).
+* ``GPTModule`` pads the vocabulary to ``make_vocab_size_divisible_by``: padding rows are zeros on import
+  and stripped on export.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+from megatron.core.utils import unwrap_model
+
+__all__ = ["export_hf", "gpt_kwargs_to_hf_config", "hf_config_to_gpt_kwargs", "load_hf_weights_"]
+
+_LAYERS = "decoder.layers."
+_Tensors = dict[str, torch.Tensor]
+
+
+# -- configs --------------------------------------------------------------------------------------
+def _rope_theta(config: dict[str, Any]) -> float:
+    """``rope_theta`` from either config style (top level, or ``rope_parameters`` since transformers 5)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(f"RoPE scaling {rope_type!r} is not supported (only unscaled RoPE).")
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def hf_config_to_gpt_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """``GPTModule`` arguments that build the architecture of a Hugging Face ``config.json``.
+
+    Only the architecture is set (shape, norms, activation, positions, dropout); training arguments keep
+    ``GPTModule``'s defaults. ``mask_padded_vocab`` is on so the loss ignores the vocabulary padding and
+    equals the original model's.
+    """
+    model_type = config.get("model_type")
+    if model_type == "gpt2":
+        act = config.get("activation_function", "gelu_new")
+        activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+        if act not in activations:
+            raise NotImplementedError(f"GPT-2 activation_function={act!r} is not supported ({sorted(activations)}).")
+        if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
+            raise NotImplementedError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported.")
+        hidden = config["n_embd"]
+        return dict(
+            vocab_size=config["vocab_size"],
+            seq_length=config["n_positions"],
+            num_layers=config["n_layer"],
+            hidden_size=hidden,
+            num_attention_heads=config["n_head"],
+            ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+            position_embedding_type="learned_absolute",
+            normalization="LayerNorm",
+            activation=activations[act],
+            add_bias_linear=True,
+            share_embeddings_and_output_weights=config.get("tie_word_embeddings", True),
+            hidden_dropout=config.get("resid_pdrop", 0.1),
+            attention_dropout=config.get("attn_pdrop", 0.1),
+            layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+            init_method_std=config.get("initializer_range", 0.02),
+            mask_padded_vocab=True,
+        )
+    if model_type == "llama":
+        if config.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"Llama hidden_act={config['hidden_act']!r} is not supported (only silu).")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise NotImplementedError("Llama checkpoints with attention_bias or mlp_bias are not supported.")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        return dict(
+            vocab_size=config["vocab_size"],
+            seq_length=config.get("max_position_embeddings", 2048),
+            num_layers=config["num_hidden_layers"],
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=config.get("num_key_value_heads") or heads,
+            ffn_hidden_size=config["intermediate_size"],
+            kv_channels=None if head_dim == hidden // heads else head_dim,
+            position_embedding_type="rope",
+            rotary_base=_rope_theta(config),
+            normalization="RMSNorm",
+            activation="swiglu",
+            add_bias_linear=False,
+            share_embeddings_and_output_weights=config.get("tie_word_embeddings", False),
+            hidden_dropout=0.0,
+            attention_dropout=config.get("attention_dropout", 0.0),
+            layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+            init_method_std=config.get("initializer_range", 0.02),
+            mask_padded_vocab=True,
+        )
+    raise NotImplementedError(f"model_type={model_type!r} is not supported; choose a 'gpt2' or 'llama' checkpoint.")
+
+
+def _model_type(hp: dict[str, Any]) -> str:
+    if hp["position_embedding_type"] == "learned_absolute" and hp["normalization"] == "LayerNorm":
+        if hp["activation"] in ("gelu", "gelu_tanh") and hp["add_bias_linear"]:
+            return "gpt2"
+    if hp["position_embedding_type"] == "rope" and hp["normalization"] == "RMSNorm":
+        if hp["activation"] == "swiglu" and not hp["add_bias_linear"]:
+            return "llama"
+    raise NotImplementedError(
+        "Only GPT-2 style (learned positions, LayerNorm, gelu, biases) and Llama style (RoPE, RMSNorm, swiglu, "
+        "no biases) GPTModules can be exported to Hugging Face."
+    )
+
+
+def gpt_kwargs_to_hf_config(hp: dict[str, Any], base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of a ``GPTModule`` (its hparams), over ``base`` (kept fields: token ids, ...)."""
+    config = dict(base or {})
+    model_type = _model_type(hp)
+    hidden, heads = hp["hidden_size"], hp["num_attention_heads"]
+    config["model_type"] = model_type
+    config["vocab_size"] = hp["vocab_size"]
+    config["tie_word_embeddings"] = hp["share_embeddings_and_output_weights"]
+    config["initializer_range"] = hp["init_method_std"]
+    if model_type == "gpt2":
+        config["architectures"] = ["GPT2LMHeadModel"]
+        ffn = hp.get("ffn_hidden_size")
+        config.update(
+            n_positions=hp["seq_length"],
+            n_layer=hp["num_layers"],
+            n_embd=hidden,
+            n_head=heads,
+            n_inner=None if ffn in (None, 4 * hidden) else ffn,
+            activation_function="gelu_new" if hp["activation"] == "gelu_tanh" else "gelu",
+            layer_norm_epsilon=hp["layernorm_epsilon"],
+            resid_pdrop=hp["hidden_dropout"],
+            embd_pdrop=hp["hidden_dropout"],  # megatron-core's hidden_dropout covers the embeddings too
+            attn_pdrop=hp["attention_dropout"],
+        )
+    else:
+        config["architectures"] = ["LlamaForCausalLM"]
+        config.update(
+            max_position_embeddings=hp["seq_length"],
+            num_hidden_layers=hp["num_layers"],
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=hp.get("num_query_groups") or heads,
+            intermediate_size=hp.get("ffn_hidden_size") or 4 * hidden,
+            head_dim=hp.get("kv_channels") or hidden // heads,
+            hidden_act="silu",
+            rms_norm_eps=hp["layernorm_epsilon"],
+            attention_dropout=hp["attention_dropout"],
+            attention_bias=False,
+            mlp_bias=False,
+        )
+        if "rope_parameters" in config or "rope_theta" not in config:
+            config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "rope_theta": hp["rotary_base"]}
+            config["rope_parameters"].setdefault("rope_type", "default")
+        else:
+            config["rope_theta"] = hp["rotary_base"]
+    return config
+
+
+# -- tensor layouts -------------------------------------------------------------------------------
+def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[all q; all k; all v]`` rows to megatron-core's per-query-group ``[q of group, k, v]`` rows."""
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _qkv_from_megatron(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, ...]:
+    rest = qkv.shape[1:]
+    head_dim = qkv.shape[0] // (heads + 2 * groups)
+    grouped = qkv.reshape(groups, -1, *rest)
+    q, k, v = grouped.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
+
+
+class _Rule:
+    """One megatron-core tensor ↔ the Hugging Face tensors it is made of (``{i}``: the layer number)."""
+
+    def __init__(
+        self,
+        hf: Sequence[str],
+        to_megatron: Callable[..., torch.Tensor] = lambda t: t,
+        from_megatron: Callable[[torch.Tensor], Sequence[torch.Tensor]] = lambda t: (t,),
+    ) -> None:
+        self.hf, self.to_megatron, self.from_megatron = tuple(hf), to_megatron, from_megatron
+
+    def names(self, layer: Optional[int]) -> list[str]:
+        return [name.format(i=layer) for name in self.hf]
+
+
+def _t(t: torch.Tensor) -> torch.Tensor:
+    return t.t()
+
+
+def _rules(hp: dict[str, Any]) -> dict[str, _Rule]:
+    """megatron-core key (``decoder.layers.`` keys without the layer number) → conversion rule."""
+    heads = hp["num_attention_heads"]
+    groups = hp.get("num_query_groups") or heads
+    model_type = _model_type(hp)
+    if model_type == "gpt2":
+        p = "transformer."
+        attn_t = lambda t: _qkv_to_megatron(*t.t().chunk(3, dim=0), groups=heads)  # noqa: E731
+        attn_f = lambda t: (torch.cat(_qkv_from_megatron(t, heads, heads), dim=0).t(),)  # noqa: E731
+        attn_bt = lambda t: _qkv_to_megatron(*t.chunk(3, dim=0), groups=heads)  # noqa: E731
+        attn_bf = lambda t: (torch.cat(_qkv_from_megatron(t, heads, heads), dim=0),)  # noqa: E731
+        transposed = dict(to_megatron=_t, from_megatron=lambda t: (t.t(),))
+        rules = {
+            "embedding.word_embeddings.weight": _Rule([p + "wte.weight"]),
+            "embedding.position_embeddings.weight": _Rule([p + "wpe.weight"]),
+            "decoder.final_layernorm.weight": _Rule([p + "ln_f.weight"]),
+            "decoder.final_layernorm.bias": _Rule([p + "ln_f.bias"]),
+            "output_layer.weight": _Rule(["lm_head.weight"]),
+        }
+        layer = {
+            "input_layernorm.weight": _Rule([p + "h.{i}.ln_1.weight"]),
+            "input_layernorm.bias": _Rule([p + "h.{i}.ln_1.bias"]),
+            "self_attention.linear_qkv.weight": _Rule([p + "h.{i}.attn.c_attn.weight"], attn_t, attn_f),
+            "self_attention.linear_qkv.bias": _Rule([p + "h.{i}.attn.c_attn.bias"], attn_bt, attn_bf),
+            "self_attention.linear_proj.weight": _Rule([p + "h.{i}.attn.c_proj.weight"], **transposed),
+            "self_attention.linear_proj.bias": _Rule([p + "h.{i}.attn.c_proj.bias"]),
+            "pre_mlp_layernorm.weight": _Rule([p + "h.{i}.ln_2.weight"]),
+            "pre_mlp_layernorm.bias": _Rule([p + "h.{i}.ln_2.bias"]),
+            "mlp.linear_fc1.weight": _Rule([p + "h.{i}.mlp.c_fc.weight"], **transposed),
+            "mlp.linear_fc1.bias": _Rule([p + "h.{i}.mlp.c_fc.bias"]),
+            "mlp.linear_fc2.weight": _Rule([p + "h.{i}.mlp.c_proj.weight"], **transposed),
+            "mlp.linear_fc2.bias": _Rule([p + "h.{i}.mlp.c_proj.bias"]),
+        }
+    else:
+        p = "model.layers.{i}."
+        rules = {
+            "embedding.word_embeddings.weight": _Rule(["model.embed_tokens.weight"]),
+            "decoder.final_layernorm.weight": _Rule(["model.norm.weight"]),
+            "output_layer.weight": _Rule(["lm_head.weight"]),
+        }
+        layer = {
+            "input_layernorm.weight": _Rule([p + "input_layernorm.weight"]),
+            "self_attention.linear_qkv.weight": _Rule(
+                [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                lambda q, k, v: _qkv_to_megatron(q, k, v, groups),
+                lambda t: _qkv_from_megatron(t, heads, groups),
+            ),
+            "self_attention.linear_proj.weight": _Rule([p + "self_attn.o_proj.weight"]),
+            "pre_mlp_layernorm.weight": _Rule([p + "post_attention_layernorm.weight"]),
+            "mlp.linear_fc1.weight": _Rule(
+                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                lambda gate, up: torch.cat([gate, up], dim=0),
+                lambda t: t.chunk(2, dim=0),
+            ),
+            "mlp.linear_fc2.weight": _Rule([p + "mlp.down_proj.weight"]),
+        }
+    # The local layer spec maps its norms to Transformer Engine's fused names in the sharded state dict.
+    for norm, fused in (
+        ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+        ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+    ):
+        for key in [k for k in layer if k.startswith(norm)]:
+            layer[fused + key[len(norm) :]] = layer[key]
+    rules.update({_LAYERS + key: rule for key, rule in layer.items()})
+    return rules
+
+
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# -- reading Hugging Face checkpoints ---------------------------------------------------------------
+class _HFReader:
+    """Lazy access to the tensors of a local safetensors checkpoint (one file or an index of shards)."""
+
+    def __init__(self, hf_dir: Union[str, Path]) -> None:
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {name: self.dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.dir / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(self.dir / "model.safetensors", framework="pt") as f:
+                self.files = {name: self.dir / "model.safetensors" for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.dir} has no model.safetensors or model.safetensors.index.json.")
+        self._open: dict[Path, Any] = {}
+
+    def resolve(self, name: str) -> Optional[str]:
+        """The stored name of ``name``: GPT-2 checkpoints exist with and without the ``transformer.`` prefix."""
+        if name in self.files:
+            return name
+        if name.startswith("transformer.") and name[len("transformer.") :] in self.files:
+            return name[len("transformer.") :]
+        return None
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        stored = self.resolve(name)
+        if stored is None:
+            raise KeyError(f"{name} is not in the checkpoint at {self.dir}.")
+        path = self.files[stored]
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path].get_tensor(stored)
+
+
+def read_hf_config(hf_dir: Union[str, Path]) -> dict[str, Any]:
+    return json.loads((Path(hf_dir) / "config.json").read_text())
+
+
+# -- import ---------------------------------------------------------------------------------------
+def _sharded_tensors(tree: object) -> Iterator[ShardedTensor]:
+    if isinstance(tree, ShardedTensor):
+        yield tree
+    elif isinstance(tree, ShardedTensorFactory):
+        yield from _sharded_tensors(tree.build())
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _sharded_tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _sharded_tensors(value)
+
+
+def _chunk_list(module_or_chunks: Any) -> list[torch.nn.Module]:
+    chunks = getattr(module_or_chunks, "model_chunks", module_or_chunks)
+    if isinstance(chunks, torch.nn.Module) and not isinstance(chunks, torch.nn.ModuleList):
+        chunks = [chunks]
+    return [unwrap_model(chunk) for chunk in chunks]
+
+
+def _local_pieces(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[ShardedTensor, Optional[int], tuple]]:
+    """Each sharded tensor of ``chunks`` with its global layer number and the slice of the global tensor it holds."""
+    for chunk in chunks:
+        for sharded in _sharded_tensors(chunk.sharded_state_dict()):
+            if sharded.flattened_range is not None:
+                raise NotImplementedError(f"{sharded.key}: flattened (distributed-optimizer) shards are not supported.")
+            prepend = sharded.prepend_axis_num
+            if prepend > 1:
+                raise NotImplementedError(f"{sharded.key}: {prepend} leading axes (experts?) are not supported.")
+            layer = sharded.global_offset[0] if prepend else None
+            index = tuple(
+                slice(offset, offset + size)
+                for offset, size in zip(sharded.global_offset[prepend:], sharded.data.shape)
+            )
+            yield sharded, layer, index
+
+
+def _pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        raise ValueError(f"vocabulary of {t.shape[0]} rows does not fit the model's padded {rows}.")
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+@torch.no_grad()
+def load_hf_weights_(chunks: Sequence[torch.nn.Module], hf_dir: Union[str, Path]) -> None:
+    """Copy a Hugging Face checkpoint into ``chunks`` (this rank's model chunks), each rank its own shards.
+
+    Every rank reads only the tensors its chunks hold (safetensors is memory-mapped), builds each global
+    megatron-core tensor and copies out its piece, so no communication is needed and any layout works.
+    Raises if a model tensor has no counterpart in the checkpoint or the shapes disagree.
+    """
+    chunks = _chunk_list(chunks)
+    config = read_hf_config(hf_dir)
+    rules = _rules(hf_config_to_gpt_kwargs(config))
+    reader = _HFReader(hf_dir)
+    tied = config.get("tie_word_embeddings", config.get("model_type") == "gpt2")
+    cache: dict[tuple[str, Optional[int]], torch.Tensor] = {}
+    for sharded, layer, index in _local_pieces(chunks):
+        key = sharded.key
+        if (key, layer) not in cache:
+            if key not in rules:
+                raise KeyError(f"No Hugging Face counterpart for megatron-core tensor {key!r}.")
+            rule = rules[key]
+            if key == "output_layer.weight" and (tied or reader.resolve("lm_head.weight") is None):
+                rule = rules["embedding.word_embeddings.weight"]
+            full = rule.to_megatron(*(reader.get(name) for name in rule.names(layer)))
+            if key in _VOCAB_KEYS:
+                full = _pad_vocab(full, sharded.global_shape[0])
+            expected = tuple(sharded.global_shape[sharded.prepend_axis_num :])
+            if tuple(full.shape) != expected:
+                raise ValueError(f"{key} (layer {layer}): checkpoint gives {tuple(full.shape)}, model has {expected}.")
+            cache.clear()  # pieces of one global tensor come in a row; keep just that one
+            cache[(key, layer)] = full
+        sharded.data.copy_(cache[(key, layer)][index])
+
+
+# -- export ---------------------------------------------------------------------------------------
+def _gather_global(chunks: Sequence[torch.nn.Module]) -> Optional[dict[tuple[str, Optional[int]], torch.Tensor]]:
+    """The full global tensors on global rank 0 (``None`` elsewhere): each main-replica piece is sent once."""
+    pieces = [
+        (s.key, layer, index, tuple(s.global_shape[s.prepend_axis_num :]), s.data.detach().cpu().clone())
+        for s, layer, index in _local_pieces(chunks)
+        if is_main_replica(s.replica_id)
+    ]
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if dist:
+        gathered: Optional[list] = (
+            [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+        )
+        torch.distributed.gather_object(pieces, gathered, dst=0)
+        if torch.distributed.get_rank() != 0:
+            return None
+        pieces = [piece for rank_pieces in gathered for piece in rank_pieces]
+    tensors: dict[tuple[str, Optional[int]], torch.Tensor] = {}
+    for key, layer, index, shape, data in pieces:
+        full = tensors.setdefault((key, layer), torch.zeros(shape, dtype=data.dtype))
+        full[index] = data
+    return tensors
+
+
+@torch.no_grad()
+def export_hf(
+    module_or_chunks: Any,
+    out_dir: Union[str, Path],
+    gpt_kwargs: Optional[dict[str, Any]] = None,
+    base_config: Optional[dict[str, Any]] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Write a ``GPTModule`` (or its model chunks) as a Hugging Face checkpoint; call on every rank.
+
+    Global rank 0 gathers the full model in CPU memory and writes ``model.safetensors`` and ``config.json``
+    to ``out_dir``. ``gpt_kwargs`` defaults to the module's hparams (required when passing chunks); the
+    config starts from ``base_config``, else from the ``config.json`` of the module's ``hf_checkpoint``,
+    so fields the conversion does not own (token ids, ...) survive a round trip. ``dtype`` casts the
+    weights (default: as stored in the model).
+    """
+    from safetensors.torch import save_file
+
+    hp = dict(gpt_kwargs if gpt_kwargs is not None else getattr(module_or_chunks, "hparams", {}))
+    if not hp:
+        raise ValueError("export_hf needs a GPTModule, or its chunks and gpt_kwargs.")
+    hp = {**_init_defaults(), **hp}
+    if base_config is None and hp.get("hf_checkpoint"):
+        base_config = read_hf_config(hp["hf_checkpoint"])
+    global_tensors = _gather_global(_chunk_list(module_or_chunks))
+    if global_tensors is None:
+        return
+    rules = _rules(hp)
+    out: _Tensors = {}
+    tied = hp["share_embeddings_and_output_weights"]
+    for (key, layer), full in global_tensors.items():
+        if key == "output_layer.weight" and tied:
+            continue
+        if key not in rules:
+            raise KeyError(f"No Hugging Face counterpart for megatron-core tensor {key!r}.")
+        if key in _VOCAB_KEYS:
+            full = full[: hp["vocab_size"]]
+        rule = rules[key]
+        for name, tensor in zip(rule.names(layer), rule.from_megatron(full)):
+            out[name] = tensor.to(dtype or tensor.dtype).contiguous()
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_path / "model.safetensors"), metadata={"format": "pt"})
+    config = gpt_kwargs_to_hf_config(hp, base_config)
+    (out_path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _init_defaults() -> dict[str, Any]:
+    """``GPTModule.__init__``'s keyword defaults (so partial ``gpt_kwargs`` work)."""
+    import inspect
+
+    from lightning_megatron.models.gpt import GPTModule
+
+    return {
+        name: p.default
+        for name, p in inspect.signature(GPTModule.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }

@@ -1,0 +1,164 @@
+"""Hugging Face conversion: small random ``transformers`` models into ``GPTModule`` at several layouts and back.
+
+Forward: the logits of the converted model (all of them, gathered over tensor-parallel ranks, on the last
+pipeline stage) and its validation loss match the ``transformers`` model on the same tokens. Everything is
+fp32 on CPU, so the only differences are the order of floating-point operations: we require 1e-4 absolute
+on logits of magnitude up to ~8 (weights drawn with std 0.2) and 1e-5 relative on the loss (measured at
+every layout: at most 1e-5 absolute on logits, 1.5e-7 relative on the loss).
+
+Round trip: HF → GPTModule (at each layout) → ``export_hf`` gives bit-identical tensors (``torch.equal``)
+under the same names, and a config with every original field unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_megatron.convert import hf_config_to_gpt_kwargs
+from lightning_megatron.models import GPTModule
+
+SEQ = 16
+BATCH = 4
+LAYOUTS = {
+    "single": (1, {}),
+    "tp2": (2, {"tensor_model_parallel_size": 2}),
+    "pp2": (2, {"pipeline_model_parallel_size": 2}),
+    "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    "tp2-pp2": (4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
+}
+LOGITS_ATOL = 1e-4
+LOSS_REL = 1e-5
+
+
+class RecordingGPT(GPTModule):
+    """Keeps the last stage's logits (what the padded-vocabulary loss function receives)."""
+
+    def forward_step(self, batch: dict[str, torch.Tensor], chunk: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        output, loss_fn = super().forward_step(batch, chunk)
+
+        def recording(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.recorded.append(out.detach().clone())
+            return loss_fn(out)
+
+        return output, recording
+
+
+def convert_and_export(world_size: int, hf_dir: str, out_dir: str, sequence: torch.Tensor, **strategy: Any) -> dict:
+    """Runs on every rank: load ``hf_dir`` at this layout, validate on ``sequence``, export to ``out_dir``."""
+    import lightning.pytorch as pl
+    from megatron.core import parallel_state
+
+    from lightning_megatron import MegatronAppStrategy
+    from lightning_megatron.convert import export_hf
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    kwargs = hf_config_to_gpt_kwargs(config)
+    module = RecordingGPT(**kwargs, hf_checkpoint=hf_dir)
+    module.recorded = []
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=MegatronAppStrategy(micro_batch_size=2, timeout=60, **strategy),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    batch = {"tokens": sequence[:, :-1].contiguous(), "labels": sequence[:, 1:].contiguous()}
+    (metrics,) = trainer.validate(
+        module, dataloaders=torch.utils.data.DataLoader([batch], batch_size=None), verbose=False
+    )
+    logits = None
+    if module.recorded:
+        local = torch.cat(module.recorded)
+        parts = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+        torch.distributed.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)[..., : kwargs["vocab_size"]]
+    export_hf(module, out_dir, dtype=None)
+    return {"val_loss": float(metrics["val_loss"]), "logits": logits}
+
+
+def _models() -> dict[str, Any]:
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2Config(
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        vocab_size=250,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    llama = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=250,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
+    return {"gpt2": (transformers.GPT2LMHeadModel, gpt2), "llama": (transformers.LlamaForCausalLM, llama)}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def hf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A random ``transformers`` model saved as safetensors, tokens, and its reference logits and loss."""
+    model_cls, config = _models()[request.param]
+    torch.manual_seed(0)
+    config.initializer_range = 0.2  # logits of order 1-10, so the tolerances mean something
+    model = model_cls(config).eval()
+    with torch.no_grad():  # random, not the near-zero default init of some biases/norms: every tensor matters
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    hf_dir = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    sequence = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=sequence[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), sequence[:, 1:].reshape(-1))
+    return {"dir": hf_dir, "sequence": sequence, "logits": logits, "loss": float(loss), "name": request.param}
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hf_forward_and_round_trip(ranks: Any, hf_model: dict[str, Any], layout: str, tmp_path: Path) -> None:
+    world_size, strategy = LAYOUTS[layout]
+    out_dir = tmp_path / "export"
+    results = ranks.run(
+        world_size, convert_and_export, world_size, str(hf_model["dir"]), str(out_dir), hf_model["sequence"], **strategy
+    )
+
+    for rank, result in enumerate(results):
+        assert result["val_loss"] == pytest.approx(hf_model["loss"], rel=LOSS_REL), f"rank {rank}"
+    last_stage = [r["logits"] for r in results if r["logits"] is not None]
+    assert last_stage
+    for logits in last_stage:
+        diff = (logits - hf_model["logits"]).abs().max().item()
+        assert diff <= LOGITS_ATOL, f"{hf_model['name']} {layout}: max |logits diff| = {diff:.2e}"
+
+    original, exported = _read(hf_model["dir"]), _read(out_dir)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    original_config = json.loads((hf_model["dir"] / "config.json").read_text())
+    exported_config = json.loads((out_dir / "config.json").read_text())
+    changed = {k: (v, exported_config.get(k)) for k, v in original_config.items() if exported_config.get(k) != v}
+    assert not changed
+    assert hf_config_to_gpt_kwargs(exported_config) == hf_config_to_gpt_kwargs(original_config)
