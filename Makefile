@@ -1,5 +1,6 @@
 # One command to set up and run the tiny recipe, one to set up and run the tests.
-#   make demo    install what is missing, then train the tiny GPT (TP2 × PP2 on 4 CPU processes)
+#   make demo    install what is missing, tokenize the corpus if needed, train the tiny GPT (TP2 × PP2 on
+#                4 CPU processes) and print samples from it
 #   make test    install what is missing, then run the test suite
 #   make lint    ruff
 # Everything goes into ./.venv (override with VENV=...). On CPU machines torch is pinned to the CPU
@@ -10,6 +11,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+
+KJV := runs/data/kjv
 
 .PHONY: setup demo test lint clean
 
@@ -24,8 +27,12 @@ $(STAMP): pyproject.toml
 		echo "error: CUDA wheels were installed into $(VENV); torch must be the CPU wheel here" >&2; exit 1; fi
 	touch $(STAMP)
 
-demo: setup
+$(KJV).bin: recipes/data/kjv.jsonl.gz $(STAMP)
+	$(BIN)/lightning-megatron preprocess --input $< --output-prefix $(KJV) --tokenizer train:2048 --append-eod --workers 2
+
+demo: setup $(KJV).bin
 	$(BIN)/lightning-megatron fit --config recipes/gpt-tiny-cpu.yaml
+	$(BIN)/lightning-megatron sample runs/gpt-tiny-cpu/checkpoints/last.ckpt --prompt "And God said" --prompt "In the beginning"
 
 test: setup
 	$(BIN)/python -m pytest tests

@@ -4,6 +4,7 @@
     lightning-megatron fit --config recipes/gpt-tiny-cpu.yaml --trainer.max_steps=50
     lightning-megatron validate --config recipes/gpt-tiny-cpu.yaml --ckpt_path=runs/.../last.ckpt
     lightning-megatron preprocess --input corpus.jsonl.gz --output-prefix data/corpus --tokenizer DIR_OR_FILE
+    lightning-megatron sample runs/gpt-tiny-cpu/checkpoints/last.ckpt --prompt "And God said"
 
 Models and data modules are given by class (``model: {class_path: ..., init_args: ...}``; the short
 names ``GPTModule`` / ``SyntheticTokenDataModule`` work), the strategy by class or by its registered
@@ -42,6 +43,11 @@ def main(args: Optional[list[str]] = None) -> None:
         from lightning_megatron.data.preprocess import main as preprocess
 
         preprocess(argv[1:])
+        return
+    if argv and argv[0] == "sample":
+        from lightning_megatron.models.sampling import main as sample
+
+        sample(argv[1:])
         return
     LightningCLI(
         subclass_mode_model=True,

@@ -47,6 +47,7 @@ def fit_gpt(
     callbacks: Optional[list] = None,
     module_cls: type = GPTModule,
     datamodule: Optional[pl.LightningDataModule] = None,
+    probe: Optional[Any] = None,
     accelerator: str = "cpu",
     **strategy: Any,
 ) -> dict[str, Any]:
@@ -89,4 +90,5 @@ def fit_gpt(
         "global_step": run.global_step,
         "coordinates": run.strategy.parallel.coordinates,
         "params_dtype": str(next(module.parameters()).dtype),
+        "probe": probe(module) if probe is not None else None,  # a look at the trained module, in the rank
     }

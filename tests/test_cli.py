@@ -30,7 +30,24 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Comp
 
 
 def test_tiny_recipe_trains_through_the_cli(tmp_path: Path) -> None:
-    """A shortened run of the recipe: the loss falls, checkpoints carry the resolved config."""
+    """The recipe's steps, shortened: tokenize the corpus, train at TP2 × PP2 (the loss falls), sample from the
+    checkpoint in one process (it loads at another layout) with the config the checkpoint carries."""
+    corpus = ROOT / "recipes" / "data" / "kjv.jsonl.gz"
+    prefix = "runs/data/kjv"
+    run_cli(
+        [
+            "preprocess",
+            "--input",
+            str(corpus),
+            "--output-prefix",
+            prefix,
+            "--tokenizer",
+            "train:2048",
+            "--append-eod",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+    )
     run_cli(
         [
             "fit",
@@ -52,11 +69,16 @@ def test_tiny_recipe_trains_through_the_cli(tmp_path: Path) -> None:
     losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, losses
     assert any(r.get("val_loss") for r in rows), "validation ran"
-    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = run_dir / "checkpoints" / "epoch=0-step=40.ckpt"
     assert (checkpoint / "trainer_state.pt").exists()
     saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
     assert saved["trainer"]["max_steps"] == 40
     assert saved["trainer"]["strategy"]["init_args"]["tensor_model_parallel_size"] == 2
+    sampled = run_cli(["sample", str(checkpoint), "--prompt", "And God said", "--max-new-tokens", "12"], cwd=tmp_path)
+    lines = [line for line in sampled.stdout.splitlines() if line.startswith("--- ")]
+    assert (
+        len(lines) == 1 and lines[0].startswith("--- And God said") and len(lines[0]) > len("--- And God said") + 5
+    ), lines
 
 
 def test_strategy_by_registered_name(tmp_path: Path) -> None:

@@ -204,6 +204,55 @@ class GPTModule(MegatronLightningModule):
 
         return loss_fn
 
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: Optional[int] = 50,
+        seed: int = 0,
+    ) -> torch.Tensor:
+        """Continue ``tokens`` (``[batch, seq]`` ids) by sampling ``max_new_tokens`` tokens.
+
+        For models without pipeline parallelism (load a checkpoint at ``pipeline_model_parallel_size=1``
+        to sample from any trained layout). Under tensor parallelism every tensor-parallel rank calls this
+        with the same inputs and seed and draws the same tokens. ``temperature=0`` is greedy decoding. The
+        whole context is recomputed for every new token (no key/value cache): meant for looking at
+        samples, not for serving.
+        """
+        layout = self.parallel.layout
+        if layout.pipeline > 1 or layout.sequence_parallel:
+            raise MegatronConfigError(
+                "generate() runs the model on one pipeline stage without sequence parallelism; load the checkpoint "
+                "with pipeline_model_parallel_size=1 and sequence_parallel=False (checkpoints load at any layout)."
+            )
+        chunk = self.model_chunks[0]
+        was_training = chunk.training
+        chunk.eval()
+        generator = torch.Generator(device=tokens.device).manual_seed(seed)
+        out = tokens
+        try:
+            for _ in range(max_new_tokens):
+                context = out[:, -self.hparams.seq_length :]
+                positions = torch.arange(context.shape[1], device=context.device).expand_as(context)
+                logits = chunk(input_ids=context, position_ids=positions, attention_mask=None)
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+                logits = logits[:, -1, : self.hparams.vocab_size].float()
+                if temperature == 0:
+                    next_token = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k:
+                        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+                out = torch.cat([out, next_token], dim=1)
+        finally:
+            chunk.train(was_training)
+        return out
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         decay, no_decay = [], []
