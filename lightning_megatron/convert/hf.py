@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 from megatron.core.utils import unwrap_model
+
+from lightning_megatron.models.sharding import sharded_tensors
 
 __all__ = ["export_hf", "gpt_kwargs_to_hf_config", "hf_config_to_gpt_kwargs", "load_hf_weights_"]
 
@@ -319,19 +321,6 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict[str, Any]:
 
 
 # -- import ---------------------------------------------------------------------------------------
-def _sharded_tensors(tree: object) -> Iterator[ShardedTensor]:
-    if isinstance(tree, ShardedTensor):
-        yield tree
-    elif isinstance(tree, ShardedTensorFactory):
-        yield from _sharded_tensors(tree.build())
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _sharded_tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _sharded_tensors(value)
-
-
 def _chunk_list(module_or_chunks: Any) -> list[torch.nn.Module]:
     chunks = getattr(module_or_chunks, "model_chunks", module_or_chunks)
     if isinstance(chunks, torch.nn.Module) and not isinstance(chunks, torch.nn.ModuleList):
@@ -342,7 +331,7 @@ def _chunk_list(module_or_chunks: Any) -> list[torch.nn.Module]:
 def _local_pieces(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[ShardedTensor, Optional[int], tuple]]:
     """Each sharded tensor of ``chunks`` with its global layer number and the slice of the global tensor it holds."""
     for chunk in chunks:
-        for sharded in _sharded_tensors(chunk.sharded_state_dict()):
+        for sharded in sharded_tensors(chunk.sharded_state_dict()):
             if sharded.flattened_range is not None:
                 raise NotImplementedError(f"{sharded.key}: flattened (distributed-optimizer) shards are not supported.")
             prepend = sharded.prepend_axis_num

@@ -16,27 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+from lightning_megatron.models.sharding import sharded_tensors
 
 __all__ = ["init_split_invariant_"]
 
 _SCALED_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
-
-
-def _sharded_tensors(tree: object) -> Iterator[ShardedTensor]:
-    if isinstance(tree, ShardedTensor):
-        yield tree
-    elif isinstance(tree, ShardedTensorFactory):
-        yield from _sharded_tensors(tree.build())
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _sharded_tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _sharded_tensors(value)
 
 
 def _generator(seed: int, key: str, layer: tuple[int, ...], device: torch.device) -> torch.Generator:
@@ -51,7 +39,7 @@ def init_split_invariant_(chunks: Sequence[torch.nn.Module], *, seed: int, std: 
     """Re-draw the random weights of ``chunks`` in place, identically under every parallel layout."""
     output_std = std / math.sqrt(2.0 * num_layers)
     for chunk in chunks:
-        for sharded in _sharded_tensors(chunk.sharded_state_dict()):
+        for sharded in sharded_tensors(chunk.sharded_state_dict()):
             data = sharded.data
             if not sharded.key.endswith(".weight") or data.dim() < 2 or sharded.flattened_range is not None:
                 continue  # biases and norm weights: deterministic already
