@@ -17,16 +17,16 @@ over 10 steps.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -156,23 +156,6 @@ def _compare(report: dict) -> None:
     )
 
 
-def _environment() -> dict:
-    import lightning
-    import megatron.core
-    import torch
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {
-        "device": f"{len(gpus)}x {gpus[0]}" if gpus else "no GPU",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
-        "lightning": lightning.__version__,
-        "megatron_core": megatron.core.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", help=argparse.SUPPRESS)
@@ -190,10 +173,11 @@ def main() -> int:
     if args.compare:
         report = json.loads(args.out.read_text())
         _compare(report)
+        now = provenance()
         report.setdefault("commands", []).append(
             {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": now["command"],
+                "date": now["date"],
                 "note": "comparison recomputed from the recorded per-step values (no new measurements)",
             }
         )
@@ -212,9 +196,7 @@ def main() -> int:
     report.update(
         {
             "what": "per-step train_loss and grad_norm of each layout vs one GPU, same seed and data",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **_environment(),
+            **provenance(),
             "model": MODEL,
             "data": DATA,
             "steps": STEPS,

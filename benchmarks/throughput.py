@@ -19,10 +19,8 @@ Runners:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -335,29 +335,6 @@ def _launch(name: str, layout: str, runner: str, model: dict, accelerator: str, 
     }
 
 
-def _environment() -> dict[str, Any]:
-    import lightning
-    import megatron.core
-    import torch
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    try:
-        import transformers
-
-        hf = transformers.__version__
-    except ImportError:
-        hf = None
-    return {
-        "device": f"{len(gpus)}x {gpus[0]}" if gpus else f"CPU ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "lightning": lightning.__version__,
-        "megatron_core": megatron.core.__version__,
-        "transformers": hf,
-        "python": platform.python_version(),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
@@ -377,9 +354,7 @@ def main() -> int:
     available = 2 if args.cpu_dry_run else torch.cuda.device_count()
     report = {
         "what": "training throughput, bf16, synthetic tokens; median step after warm-up",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **_environment(),
+        **provenance(),
         "warmup_steps": WARMUP,
         "measured_steps": MEASURED,
         "models": models,
