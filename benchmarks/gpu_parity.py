@@ -32,14 +32,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 MODEL = dict(
-    vocab_size=1024, seq_length=256, num_layers=8, hidden_size=256, num_attention_heads=8, lr=1e-3, warmup_steps=2
+    vocab_size=1024,
+    seq_length=256,
+    num_layers=8,
+    hidden_size=256,
+    num_attention_heads=8,
+    activation="gelu_tanh",  # GPT-2's; on GPUs its bias+GeLU runs fused (fuse_kernels)
+    lr=1e-3,
+    warmup_steps=2,
 )
+SWIGLU = dict(activation="swiglu", normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope")
+UNFUSED = dict(fuse_kernels=False)
 DATA = dict(vocab_size=1024, seq_length=256, global_batch_size=32, num_train_samples=4096, num_val_samples=64)
 STEPS = 10
 TOLERANCE = {"32-true": {"loss": 1e-4, "grad_norm": 1e-4}, "bf16-mixed": {"loss": 2e-2, "grad_norm": 5e-2}}
 
-# name: (world size, strategy arguments)
-LAYOUTS: dict[str, tuple[int, dict]] = {
+# name: (world size, strategy arguments[, model arguments]); a layout is compared with "single", or with
+# "single-swiglu" for the Llama-style model.
+LAYOUTS: dict[str, tuple] = {
     "single": (1, {}),
     "tp2": (2, dict(tensor_model_parallel_size=2)),
     "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
@@ -55,7 +65,17 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2-tp2-distopt": (4, dict(tensor_model_parallel_size=2, use_distributed_optimizer=True)),
     "dp2-pp2": (4, dict(pipeline_model_parallel_size=2)),
     "dp4-distopt": (4, dict(use_distributed_optimizer=True, overlap_grad_reduce=True)),
+    # Fused kernels (bias+GeLU, bias+SwiGLU, cross-entropy) against the unfused path.
+    "single-unfused": (1, {}, UNFUSED),
+    "tp2-sp-unfused": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), UNFUSED),
+    "single-swiglu": (1, {}, SWIGLU),
+    "single-swiglu-unfused": (1, {}, {**SWIGLU, **UNFUSED}),
+    "tp2-swiglu": (2, dict(tensor_model_parallel_size=2), SWIGLU),
 }
+
+
+def _reference(layout: str) -> str:
+    return "single-swiglu" if "swiglu" in layout else "single"
 
 
 def _run_layout(spec: dict) -> None:
@@ -66,12 +86,12 @@ def _run_layout(spec: dict) -> None:
     torch.backends.cudnn.allow_tf32 = False
     from cases import fit_gpt
 
-    world, strategy = LAYOUTS[spec["layout"]]
+    world, strategy, *model = LAYOUTS[spec["layout"]]
     record = fit_gpt(
         world,
         steps=STEPS,
         precision=spec["precision"],
-        model=MODEL,
+        model={**MODEL, **(model[0] if model else {})},
         data=DATA,
         accelerator=spec["accelerator"],
         micro_batch_size=2,
@@ -137,8 +157,8 @@ def _compare(report: dict) -> None:
     """Compare every run with the single-device run of the same precision (from the recorded per-step values)."""
     for name, entry in sorted(report["runs"].items()):
         layout, precision = name.split("/")
-        reference = report["runs"].get(f"single/{precision}")
-        if layout == "single" or reference is None or "error" in entry or "error" in reference:
+        reference = report["runs"].get(f"{_reference(layout)}/{precision}")
+        if layout == _reference(layout) or reference is None or "error" in entry or "error" in reference:
             continue
         tol = TOLERANCE[precision]
         entry["max_rel_diff_loss"] = _max_rel(entry["loss"], reference["loss"])
@@ -189,9 +209,9 @@ def main() -> int:
     gpus = args.devices or torch.cuda.device_count()
     layouts = [n for n in (args.only or LAYOUTS) if LAYOUTS[n][0] <= gpus]
     previous = json.loads(args.out.read_text()).get("runs", {}) if args.append and args.out.exists() else {}
-    have_reference = all(f"single/{p}" in previous for p in args.precision)
-    if "single" not in layouts and not have_reference:
-        layouts.insert(0, "single")
+    for reference in sorted({_reference(n) for n in layouts}, reverse=True):
+        if reference not in layouts and not all(f"{reference}/{p}" in previous for p in args.precision):
+            layouts.insert(0, reference)
     report = json.loads(args.out.read_text()) if args.append and args.out.exists() else {}
     report.update(
         {
@@ -214,7 +234,9 @@ def main() -> int:
         layout, precision = job
         with lock:
             results[job] = result
-            entry = {"world_size": LAYOUTS[layout][0], "strategy": LAYOUTS[layout][1], "seconds": result["seconds"]}
+            world, strategy, *model = LAYOUTS[layout]
+            entry = {"world_size": world, "strategy": strategy, "model": model[0] if model else {}}
+            entry["seconds"] = result["seconds"]
             if "error" in result:
                 entry.update(error=result["error"], log_tail=result["log_tail"])
             else:

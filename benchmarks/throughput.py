@@ -1,6 +1,7 @@
 """Training throughput: this strategy (per layer spec) vs a raw megatron-core loop vs plain `transformers`.
 
     python benchmarks/throughput.py --out benchmarks/results/throughput.json       # every case that fits
+    python benchmarks/throughput.py --only gpt-1.3b/tp2 --profile profile.txt      # + torch.profiler tables
     python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf
     python benchmarks/throughput.py --cpu-dry-run --out /tmp/throughput.json        # tiny shapes, checks plumbing
 
@@ -13,7 +14,15 @@ Runners:
 * ``strategy-<spec>``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule(layer_spec=<spec>)``.
 * ``mcore-<spec>``: the same model in a hand-written megatron-core loop (``get_forward_backward_func`` +
   megatron-core DDP + megatron-core optimizer), the baseline the strategy must match (≥ 0.98×).
-* ``hf``: ``transformers.GPT2LMHeadModel`` with SDPA attention, autocast bf16 and fused AdamW (1 GPU only).
+* ``hf``: ``transformers.GPT2LMHeadModel`` with SDPA attention, autocast bf16 (fp32 weights and optimizer,
+  the same numerics as the other runners) and fused AdamW (1 GPU only); vocabulary padded to a multiple of
+  128 like megatron-core's, so every runner does the same FLOPs.
+* ``hf-bf16``: the same with bf16 weights and optimizer states and no autocast: the fastest plain PyTorch
+  loop (at the cost of bf16 weight updates).
+
+The strategy and mcore runners use GPT-2's tanh GeLU fused with its bias and megatron-core's fused
+cross-entropy on GPUs (``GPTModule(fuse_kernels=True)``, the default; ``bias_activation_fusion`` and
+``cross_entropy_loss_fusion`` in the raw loop).
 """
 
 from __future__ import annotations
@@ -67,8 +76,41 @@ DRY_RUN_MODEL = dict(
     num_microbatches=2,
     layouts={"1gpu": (1, 1, 1), "tp2": (2, 2, 1)},
 )
-RUNNERS = ["strategy-local", "strategy-sdpa", "mcore-local", "mcore-sdpa", "hf"]
+RUNNERS = ["strategy-local", "strategy-sdpa", "mcore-local", "mcore-sdpa", "hf", "hf-bf16"]
 WARMUP, MEASURED = 5, 10
+PROFILED = 2  # extra steps after the measured ones, under torch.profiler, with --profile
+
+
+class StepProfiler:
+    """Profiles the steps after the measured ones (so profiling never slows a measured step) on rank 0."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.enabled = bool(spec.get("profile")) and int(os.environ.get("RANK", 0)) == 0
+        self.path = Path(spec["result_dir"], "profile.txt")
+        self.profiler: Any = None
+
+    @staticmethod
+    def total_steps(spec: dict[str, Any]) -> int:
+        return WARMUP + MEASURED + (PROFILED if spec.get("profile") else 0)
+
+    def step_started(self, step: int) -> None:
+        if self.enabled and step == WARMUP + MEASURED:
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def step_ended(self, step: int) -> None:
+        if self.profiler is not None and step == WARMUP + MEASURED + PROFILED - 1:
+            _synchronize()
+            self.profiler.__exit__(None, None, None)
+            averages = self.profiler.key_averages()
+            sort = "self_cuda_time_total" if any(e.self_device_time_total for e in averages) else "self_cpu_time_total"
+            self.path.write_text(f"{PROFILED} steps, sorted by {sort}\n" + averages.table(sort_by=sort, row_limit=35))
+            self.profiler = None
 
 
 def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
@@ -104,15 +146,19 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
     dp = gpus // (tp * pp)
     gbs = m["micro_batch_size"] * m["num_microbatches"] * dp
     times: list[float] = []
+    profiler = StepProfiler(spec)
+    steps = StepProfiler.total_steps(spec)
 
     class StepTimer(pl.Callback):
-        def on_train_batch_start(self, *args: Any) -> None:
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             _synchronize()
+            profiler.step_started(trainer.global_step)
             self.start = time.perf_counter()
 
-        def on_train_batch_end(self, *args: Any) -> None:
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             _synchronize()
             times.append(time.perf_counter() - self.start)
+            profiler.step_ended(trainer.global_step - 1)
 
     trainer = pl.Trainer(
         accelerator=spec["accelerator"],
@@ -121,7 +167,7 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
         strategy=MegatronAppStrategy(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=m["micro_batch_size"]
         ),
-        max_steps=WARMUP + MEASURED,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -135,17 +181,19 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
         num_layers=m["num_layers"],
         hidden_size=m["hidden_size"],
         num_attention_heads=m["num_attention_heads"],
+        activation="gelu_tanh",  # GPT-2's GeLU (fused with its bias on GPUs, as in the mcore runner)
         layer_spec=spec["runner"].split("-", 1)[1],
+        transformer_config_overrides=spec.get("overrides"),
         split_invariant_init=False,
     )
     data = SyntheticTokenDataModule(
         vocab_size=m["vocab_size"],
         seq_length=m["seq_length"],
         global_batch_size=gbs,
-        num_train_samples=gbs * (WARMUP + MEASURED),
+        num_train_samples=gbs * steps,
     )
     trainer.fit(model, data)
-    return times[WARMUP:]
+    return times[WARMUP : WARMUP + MEASURED]
 
 
 def run_mcore(spec: dict[str, Any]) -> list[float]:
@@ -160,6 +208,7 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from lightning_megatron.models.gpt import gelu_tanh
     from lightning_megatron.models.specs import gpt_block_spec
 
     m, (_, tp, pp) = spec["model"], spec["layout"]
@@ -190,6 +239,11 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
         batch_p2p_comm=not on_cpu,
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
+        # GPT-2's tanh GeLU fused with its bias, and the fused cross-entropy: what Megatron-LM turns on.
+        activation_func=gelu_tanh if on_cpu else torch.nn.functional.gelu,
+        bias_activation_fusion=not on_cpu,
+        cross_entropy_loss_fusion=not on_cpu,
+        **(spec.get("overrides") or {}),
     )
     padded_vocab = -(-m["vocab_size"] // 128) * 128
     model = GPTModel(
@@ -210,12 +264,14 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
     )
 
     mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
+    # Inputs and labels as separate contiguous tensors, as the strategy's data module hands them over.
     tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq + 1), device=device)
+    microbatches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
     positions = torch.arange(seq, device=device).expand(mbs, seq)
 
     def forward_step(data_iterator, chunk):  # noqa: ANN001, ANN202
-        sample = next(data_iterator)
-        output = chunk(input_ids=sample[:, :-1], position_ids=positions, attention_mask=None, labels=sample[:, 1:])
+        inputs, labels = next(data_iterator)
+        output = chunk(input_ids=inputs, position_ids=positions, attention_mask=None, labels=labels)
 
         def loss_fn(per_token_loss):  # noqa: ANN001, ANN202
             return (
@@ -228,14 +284,16 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
 
     forward_backward = get_forward_backward_func()
     times = []
-    for _ in range(WARMUP + MEASURED):
+    profiler = StepProfiler(spec)
+    for step in range(StepProfiler.total_steps(spec)):
         _synchronize()
+        profiler.step_started(step)
         start = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
         forward_backward(
             forward_step_func=forward_step,
-            data_iterator=iter(tokens),
+            data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=nmb,
             seq_length=seq,
@@ -245,7 +303,8 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
         optimizer.step()
         _synchronize()
         times.append(time.perf_counter() - start)
-    return times[WARMUP:]
+        profiler.step_ended(step)
+    return times[WARMUP : WARMUP + MEASURED]
 
 
 def run_hf(spec: dict[str, Any]) -> list[float]:
@@ -254,58 +313,62 @@ def run_hf(spec: dict[str, Any]) -> list[float]:
 
     m = spec["model"]
     on_cpu = spec["accelerator"] == "cpu"
+    pure_bf16 = spec["runner"] == "hf-bf16"
     device = torch.device("cpu" if on_cpu else "cuda")
     config = GPT2Config(
         n_layer=m["num_layers"],
         n_embd=m["hidden_size"],
         n_head=m["num_attention_heads"],
         n_positions=m["seq_length"],
-        vocab_size=m["vocab_size"],
+        vocab_size=-(-m["vocab_size"] // 128) * 128,  # padded as megatron-core pads it: same FLOPs, fast GEMMs
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         attn_implementation="sdpa",
     )
-    model = GPT2LMHeadModel(config).to(device)
+    model = GPT2LMHeadModel(config).to(device, torch.bfloat16 if pure_bf16 else torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not on_cpu)
     mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
     tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq), device=device)
     times = []
-    for _ in range(WARMUP + MEASURED):
+    profiler = StepProfiler(spec)
+    for step in range(StepProfiler.total_steps(spec)):
         _synchronize()
+        profiler.step_started(step)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         for micro in tokens:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not pure_bf16):
                 loss = model(input_ids=micro, labels=micro).loss / nmb
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         _synchronize()
         times.append(time.perf_counter() - start)
-    return times[WARMUP:]
+        profiler.step_ended(step)
+    return times[WARMUP : WARMUP + MEASURED]
 
 
 def _worker(spec: dict[str, Any]) -> None:
     runner = spec["runner"]
-    times = run_hf(spec) if runner == "hf" else run_mcore(spec) if runner.startswith("mcore") else run_strategy(spec)
+    times = (
+        run_hf(spec)
+        if runner.startswith("hf")
+        else run_mcore(spec)
+        if runner.startswith("mcore")
+        else run_strategy(spec)
+    )
     rank = int(os.environ.get("RANK", 0))
     record = {"rank": rank, "step_seconds": times, "peak_memory_gib": _peak_memory_gib()}
     Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(record))
 
 
 # -- driver ----------------------------------------------------------------------------------------------
-def _launch(name: str, layout: str, runner: str, model: dict, accelerator: str, workdir: Path) -> dict[str, Any]:
+def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, options: dict[str, Any]) -> dict[str, Any]:
     gpus, tp, pp = model["layouts"][layout]
     result_dir = workdir / f"{name}-{layout}-{runner}"
     result_dir.mkdir(parents=True)
-    spec = {
-        "runner": runner,
-        "model": model,
-        "layout": (gpus, tp, pp),
-        "accelerator": accelerator,
-        "result_dir": str(result_dir),
-    }
+    spec = {"runner": runner, "model": model, "layout": (gpus, tp, pp), "result_dir": str(result_dir), **options}
     command = [
         sys.executable,
         "-m",
@@ -317,6 +380,10 @@ def _launch(name: str, layout: str, runner: str, model: dict, accelerator: str, 
         json.dumps(spec),
     ]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    profile = result_dir / "profile.txt"
+    if profile.exists():
+        with open(options["profile"], "a") as out:
+            out.write(f"\n===== {name}/{layout}/{runner} =====\n{profile.read_text()}\n")
     ranks = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != gpus:
         return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
@@ -342,6 +409,12 @@ def main() -> int:
     parser.add_argument("--runners", nargs="*", default=RUNNERS)
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing only")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/throughput.json")
+    parser.add_argument("--append", action="store_true", help="add to the runs already in --out")
+    parser.add_argument("--profile", type=Path, help="append a torch.profiler table of each run to this file")
+    parser.add_argument(
+        "--overrides", type=json.loads, help="TransformerConfig fields (JSON) for the strategy and mcore runners"
+    )
+    parser.add_argument("--label", default="", help="suffix of the run names, e.g. for runs with --overrides")
     args = parser.parse_args()
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))
@@ -360,23 +433,34 @@ def main() -> int:
         "models": models,
         "runs": {},
     }
+    if args.append and args.out.exists():
+        previous = json.loads(args.out.read_text())
+        report["runs"] = previous["runs"]
+        report["commands"] = previous.get("commands", [previous["command"]]) + [report["command"]]
+    options = {
+        "accelerator": accelerator,
+        "profile": str(args.profile) if args.profile else None,
+        "overrides": args.overrides,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in models.items():
             for layout, (gpus, _, _) in model["layouts"].items():
                 if gpus > available or (args.only and f"{name}/{layout}" not in args.only):
                     continue
                 for runner in args.runners:
-                    if runner == "hf" and gpus > 1:
+                    if runner.startswith("hf") and gpus > 1:
                         continue  # the transformers baseline is single-GPU
-                    result = _launch(name, layout, runner, model, accelerator, Path(tmp))
-                    report["runs"][f"{name}/{layout}/{runner}"] = result
+                    result = _launch(name, layout, runner, model, Path(tmp), options)
+                    if args.overrides and not runner.startswith("hf"):
+                        result["overrides"] = args.overrides
+                    report["runs"][f"{name}/{layout}/{runner}{args.label}"] = result
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(report, indent=1))
                     shown = result.get("error") or (
                         f"{result['tokens_per_second']:9.0f} tok/s {result['model_tflops_per_gpu']:7.1f} TFLOP/s/GPU "
                         f"{result['peak_memory_gib']:6.1f} GiB"
                     )
-                    print(f"{name:>12} {layout:>8} {runner:>15}  {shown}", flush=True)
+                    print(f"{name:>12} {layout:>8} {runner + args.label:>22}  {shown}", flush=True)
     return 0 if all("error" not in r for r in report["runs"].values()) else 1
 
 

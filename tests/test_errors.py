@@ -110,6 +110,12 @@ ERRORS: list[tuple[str, dict[str, Any], str, list[str]]] = [
         ["multiple optimizers", "automatic_optimization"],
     ),
     (
+        "unknown-transformer-config-field",
+        dict(model={"transformer_config_overrides": {"hiden_size": 64}}),
+        "MegatronConfigError",
+        ["transformer_config_overrides", "hiden_size"],
+    ),
+    (
         "manual-optimization",
         dict(module_cls=ManualTwoOptimizersGPT),
         "MegatronConfigError",

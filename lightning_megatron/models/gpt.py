@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal, Optional
 
@@ -19,7 +20,7 @@ from lightning_megatron.models.specs import LayerSpecName, gpt_block_spec
 from lightning_megatron.strategy.parallel import StageSpec
 from lightning_megatron.strategy.step import LossFn
 
-__all__ = ["GPTModule", "gelu_tanh"]
+__all__ = ["GPTModule", "fused_kernel_fields", "gelu_tanh"]
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,20 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": gelu_tanh, "swiglu": F.silu}
+
+
+def fused_kernel_fields(activation: str, add_bias_linear: bool) -> dict[str, Any]:
+    """TransformerConfig fields that switch on megatron-core's fused GPU kernels where the math is unchanged.
+
+    The fused bias-GeLU computes the tanh approximation (and is selected by ``F.gelu``), so it serves
+    ``gelu_tanh`` only; the erf GeLU stays unfused.
+    """
+    fused: dict[str, Any] = {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"}
+    if activation == "gelu_tanh" and add_bias_linear:
+        fused.update(bias_activation_fusion=True, activation_func=F.gelu)
+    elif activation == "swiglu":
+        fused.update(bias_activation_fusion=True)
+    return fused
 
 
 class GPTModule(MegatronLightningModule):
@@ -56,6 +71,12 @@ class GPTModule(MegatronLightningModule):
             weights ``configure_model`` loads instead of initializing; build the other arguments with
             ``lightning_megatron.convert.hf_config_to_gpt_kwargs``.
         layer_spec: Which implementation of the transformer layer to use (see ``models.specs``).
+        fuse_kernels: On GPUs, megatron-core's fused bias+activation (``gelu_tanh`` with biases, ``swiglu``)
+            and fused cross-entropy kernels (compiled by ``torch.compile`` on first use). Same math as
+            the unfused path; ``activation="gelu"`` (erf) stays unfused, since megatron-core's fused GeLU
+            is the tanh approximation. Ignored on CPUs, where compiling costs more than it saves.
+        transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
+            ``{"recompute_granularity": "selective"}``), applied last; unknown names are an error.
         split_invariant_init: Initialize so every parallel layout starts from the same weights.
         lr, min_lr, warmup_steps, weight_decay, betas, eps: AdamW with linear warmup and cosine
             decay to ``min_lr`` at ``trainer.max_steps``; no weight decay on biases and norms.
@@ -85,6 +106,8 @@ class GPTModule(MegatronLightningModule):
         mask_padded_vocab: bool = False,
         hf_checkpoint: Optional[str] = None,
         layer_spec: LayerSpecName = "local",
+        fuse_kernels: bool = True,
+        transformer_config_overrides: Optional[dict[str, Any]] = None,
         split_invariant_init: bool = True,
         init_seed: int = 1234,
         lr: float = 3e-4,
@@ -116,7 +139,15 @@ class GPTModule(MegatronLightningModule):
             if hp.activation not in _ACTIVATIONS:
                 raise MegatronConfigError(f"activation={hp.activation!r} is not one of {sorted(_ACTIVATIONS)}.")
             swiglu = hp.activation == "swiglu"
-            self._config = TransformerConfig(
+            overrides = dict(hp.transformer_config_overrides or {})
+            known = {field.name for field in dataclasses.fields(TransformerConfig)}
+            unknown = sorted(set(overrides) - known)
+            if unknown:
+                raise MegatronConfigError(
+                    f"transformer_config_overrides has keys that are not TransformerConfig fields: {unknown}; "
+                    "see megatron.core.transformer.TransformerConfig for the names."
+                )
+            fields = dict(
                 num_layers=hp.num_layers,
                 hidden_size=hp.hidden_size,
                 num_attention_heads=hp.num_attention_heads,
@@ -131,8 +162,10 @@ class GPTModule(MegatronLightningModule):
                 activation_func=_ACTIVATIONS[hp.activation],
                 kv_channels=hp.kv_channels,
                 layernorm_epsilon=hp.layernorm_epsilon,
-                **self.parallel.config_kwargs(),
             )
+            fused = fused_kernel_fields(hp.activation, hp.add_bias_linear) if hp.fuse_kernels else {}
+            fields.update(self.parallel.config_kwargs(), **({} if self.parallel.on_cpu else fused), **overrides)
+            self._config = TransformerConfig(**fields)
         return self._config
 
     def build_chunk(self, stage: StageSpec) -> GPTModel:
