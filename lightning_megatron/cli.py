@@ -5,6 +5,7 @@
     lightning-megatron validate --config recipes/gpt-tiny-cpu.yaml --ckpt_path=runs/.../last.ckpt
     lightning-megatron preprocess --input corpus.jsonl.gz --output-prefix data/corpus --tokenizer DIR_OR_FILE
     lightning-megatron sample runs/gpt-tiny-cpu/checkpoints/last.ckpt --prompt "And God said"
+    lightning-megatron scan aggregate runs/trace -o merged.json.gz    (see lightning_megatron.scan)
 
 Models and data modules are given by class (``model: {class_path: ..., init_args: ...}``; the short
 names ``GPTModule`` / ``SyntheticTokenDataModule`` work), the strategy by class or by its registered
@@ -44,6 +45,10 @@ def main(args: Optional[list[str]] = None) -> None:
 
         preprocess(argv[1:])
         return
+    if argv and argv[0] == "scan":  # trace aggregation and slow-rank detection
+        from lightning_megatron.scan.cli import main as scan
+
+        sys.exit(scan(argv[1:]))
     if argv and argv[0] == "sample":
         from lightning_megatron.models.sampling import main as sample
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lightning_megatron.pipeline.registry import Schedule
+from lightning_megatron.strategy.listeners import StepListener
 
 __all__ = ["LossFn", "StepOutput", "run_forward_backward"]
 
@@ -61,11 +62,33 @@ def run_forward_backward(
     micro_batch_size: int,
     forward_only: bool,
     device: torch.device,
+    listeners: Sequence[StepListener] = (),
 ) -> StepOutput:
-    """Run ``schedule`` over ``microbatches`` (one optimizer step) and return the exact global loss."""
+    """Run ``schedule`` over ``microbatches`` (one optimizer step) and return the exact global loss.
+
+    ``listeners`` learn which chunk and microbatch each forward and backward belongs to: the forward is
+    announced before it runs; the backward when the gradient reaches the forward's output (a tensor hook).
+    """
+    chunk_index = {id(chunk): i for i, chunk in enumerate(chunks)}
+    forwards_done = [0] * len(chunks)
 
     def forward_step_func(data_iterator, model):  # noqa: ANN001, ANN202  (megatron-core's signature)
+        if not listeners:
+            output, loss_fn = forward_step(next(data_iterator), model)
+            return output, partial(_checked_loss, loss_fn)
+        chunk = chunk_index[id(model)]
+        microbatch = forwards_done[chunk]
+        forwards_done[chunk] += 1
+        for listener in listeners:
+            listener.microbatch("forward", chunk, microbatch)
         output, loss_fn = forward_step(next(data_iterator), model)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+
+            def announce_backward(grad: torch.Tensor) -> None:
+                for listener in listeners:
+                    listener.microbatch("backward", chunk, microbatch)
+
+            output.register_hook(announce_backward)
         return output, partial(_checked_loss, loss_fn)
 
     # Each model chunk pulls every microbatch in order; stages use the fields they need. Lists even for

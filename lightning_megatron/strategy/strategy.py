@@ -41,6 +41,7 @@ from lightning_megatron.compat.megatron import batched_p2p_is_safe
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO
+from lightning_megatron.strategy.listeners import StepListener, TimersDispatcher
 from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
 from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout
@@ -170,6 +171,7 @@ class MegatronAppStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._parallel: Optional[ParallelContext] = None
         self._chunks: list[torch.nn.Module] = []  # model chunks as the schedule sees them (wrapped)
+        self._step_listeners: list[StepListener] = []
 
     # -- Lightning plumbing -------------------------------------------------------------------------
     @classmethod
@@ -402,6 +404,7 @@ class MegatronAppStrategy(ParallelStrategy):
                 on_cpu=on_cpu, pipeline=self.layout.pipeline, virtual_pipeline=self.layout.virtual_pipeline
             )
             config.deallocate_pipeline_outputs = self.deallocate_pipeline_outputs
+            config.timers = TimersDispatcher(self._step_listeners) if self._step_listeners else None
             if ddp:
                 config.no_sync_func = per_chunk("no_sync")
                 config.finalize_model_grads_func = finalize_model_grads
@@ -432,6 +435,23 @@ class MegatronAppStrategy(ParallelStrategy):
         opt = self.optimizers[0] if self.optimizers else None
         return opt if isinstance(opt, StrategyOptimizer) else None
 
+    # -- observers of the step (tracing, fault injection) -----------------------------------------------
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Tell ``listener`` about every step's spans (see ``strategy.listeners``); used by MegaScan."""
+        if listener not in self._step_listeners:
+            self._step_listeners.append(listener)
+            self._sync_timers()
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        if listener in self._step_listeners:
+            self._step_listeners.remove(listener)
+            self._sync_timers()
+
+    def _sync_timers(self) -> None:
+        # megatron-core only calls timers when config.timers is set: no listener, no cost.
+        for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
+            config.timers = TimersDispatcher(self._step_listeners) if self._step_listeners else None
+
     # -- one step -----------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, *, forward_only: bool = False) -> StepOutput:
         """Run one global batch's microbatches through the pipeline schedule; return the exact global loss.
@@ -460,6 +480,7 @@ class MegatronAppStrategy(ParallelStrategy):
             micro_batch_size=self.micro_batch_size,
             forward_only=forward_only,
             device=self.root_device,
+            listeners=tuple(self._step_listeners),
         )
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -1,0 +1,238 @@
+"""MegaScan on GPUs: tracing overhead, and detection accuracy with injected slowdowns.
+
+    python benchmarks/megascan_overhead.py --out benchmarks/results/megascan.json            # 1 and 4 GPUs
+    python benchmarks/megascan_overhead.py --cpu-dry-run --out /tmp/megascan.json           # plumbing only
+
+* Overhead (1 GPU and all GPUs, DP × PP): the same training alternates between no callback and
+  ``MegaScan(interval=1, window=1, granularity="stage")`` (every step traced), ``--pairs`` times, in the
+  same processes; the ratio of median step times is the overhead.
+* Detection (4 GPUs, DP2 × PP2): ``--runs`` runs for each injected slowdown (10%, 20%, 50% on a random
+  rank, ``SlowdownInjector``) and as many clean runs; each run's fit-end report is scored: a hit names the
+  slowed rank with cause "compute"; any other named rank is a false alarm.
+
+Every measurement runs inside one ``torchrun`` launch per GPU count; results are written after each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GPU_MODEL = dict(vocab_size=32000, seq_length=1024, num_layers=8, hidden_size=1024, num_attention_heads=16)
+CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, num_attention_heads=4)
+FACTORS = [1.1, 1.2, 1.5]
+
+
+def _fit(spec: dict[str, Any], callbacks: list, steps: int) -> list[float]:
+    """One Trainer.fit; per-step seconds (after a synchronize at both ends of each step)."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_megatron import MegatronAppStrategy
+    from lightning_megatron.data import SyntheticTokenDataModule
+    from lightning_megatron.models import GPTModule
+
+    times: list[float] = []
+
+    class StepTimer(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.start)
+
+    model = spec["model"]
+    gbs = spec["global_batch_size"]
+    trainer = pl.Trainer(
+        accelerator=spec["accelerator"],
+        devices=spec["devices"],
+        precision="bf16-mixed" if spec["accelerator"] == "gpu" else "32-true",
+        strategy=MegatronAppStrategy(micro_batch_size=spec["micro_batch_size"], **spec["layout"]),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[StepTimer(), *callbacks],
+    )
+    module = GPTModule(**model, layer_spec="sdpa", split_invariant_init=False)
+    data = SyntheticTokenDataModule(
+        vocab_size=model["vocab_size"],
+        seq_length=model["seq_length"],
+        global_batch_size=gbs,
+        num_train_samples=gbs * steps,
+    )
+    trainer.fit(module, data)
+    return times
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    from lightning_megatron.scan import MegaScan, SlowdownInjector
+
+    rank = int(os.environ.get("RANK", 0))
+    out: dict[str, Any] = {}
+    steps = spec["steps"]
+    if spec["phase"] == "overhead":
+        plain, traced = [], []
+        for pair in range(spec["pairs"]):
+            plain += _fit(spec, [], steps)[2:]  # the first steps warm up
+            scan = MegaScan(Path(spec["workdir"]) / f"overhead-{pair}", interval=1, window=1, detect=False)
+            traced += _fit(spec, [scan], steps)[2:]
+        out = {
+            "plain_step_ms": 1000 * statistics.median(plain),
+            "traced_step_ms": 1000 * statistics.median(traced),
+            "overhead": statistics.median(traced) / statistics.median(plain) - 1.0,
+            "steps_each": len(plain),
+        }
+    else:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+        chooser = random.Random(spec["seed"])
+        runs = []
+        for factor in [1.0, *spec["factors"]]:
+            for i in range(spec["runs"]):
+                slow = chooser.randrange(world)
+                callbacks: list[Any] = [
+                    MegaScan(Path(spec["workdir"]) / f"detect-{factor}-{i}", interval=1, window=1, start_step=2)
+                ]
+                if factor > 1.0:
+                    callbacks.append(SlowdownInjector(ranks=[slow], factor=factor))
+                _fit(spec, callbacks, steps)
+                report = callbacks[0].report
+                named = {s.rank: s.kind for s in report.suspects}
+                runs.append(
+                    {
+                        "factor": factor,
+                        "slowed_rank": slow if factor > 1.0 else None,
+                        "named": {str(k): v for k, v in named.items()},
+                        "found": factor > 1.0 and named.get(slow) == "compute",
+                        "false_alarms": sorted(r for r in named if factor == 1.0 or r != slow),
+                        "estimated_slowdown": next((s.slowdown for s in report.suspects if s.rank == slow), None),
+                    }
+                )
+        out = {"runs": runs}
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps(out))
+
+
+def _launch(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += [__file__, "--worker-spec", json.dumps(spec)]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0 or not Path(spec["result"]).exists():
+        return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    return {**json.loads(Path(spec["result"]).read_text()), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _score(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    scores: dict[str, Any] = {}
+    for factor in sorted({r["factor"] for r in runs}):
+        group = [r for r in runs if r["factor"] == factor]
+        alarms = sum(len(r["false_alarms"]) for r in group)
+        if factor == 1.0:
+            scores["clean"] = {"runs": len(group), "runs_with_false_alarm": sum(bool(r["false_alarms"]) for r in group)}
+            continue
+        hits = sum(r["found"] for r in group)
+        scores[f"{round((factor - 1) * 100)}%"] = {
+            "runs": len(group),
+            "recall": hits / len(group),
+            "precision": hits / max(hits + alarms, 1),
+            "false_alarms": alarms,
+        }
+    return scores
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/megascan.json")
+    parser.add_argument("--runs", type=int, default=10, help="detection runs per slowdown and clean")
+    parser.add_argument("--pairs", type=int, default=3, help="overhead: alternations of plain and traced fits")
+    parser.add_argument("--only", nargs="*", default=["overhead", "detection"])
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU processes (gloo)")
+    args = parser.parse_args()
+    if args.worker_spec:
+        _worker(json.loads(args.worker_spec))
+        return 0
+
+    import torch
+
+    gpus = 4 if args.cpu_dry_run else torch.cuda.device_count()
+    base = {
+        "accelerator": "cpu" if args.cpu_dry_run else "gpu",
+        "model": CPU_MODEL if args.cpu_dry_run else GPU_MODEL,
+        "micro_batch_size": 2 if args.cpu_dry_run else 4,
+    }
+    report: dict[str, Any] = {"what": "MegaScan overhead and slow-rank detection", **provenance(), **base}
+    report["results"] = {}
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+
+    with tempfile.TemporaryDirectory() as workdir:
+        if "overhead" in args.only:
+            for devices in sorted({1, gpus}):
+                layout = {} if devices == 1 else {"pipeline_model_parallel_size": 2}
+                dp = devices // (2 if layout else 1)
+                spec = {
+                    **base,
+                    "phase": "overhead",
+                    "devices": devices,
+                    "layout": layout,
+                    "global_batch_size": base["micro_batch_size"] * 4 * dp,
+                    "steps": 6 if args.cpu_dry_run else 20,
+                    "pairs": args.pairs,
+                    "workdir": workdir,
+                    "result": f"{workdir}/overhead-{devices}.json",
+                }
+                report["results"][f"overhead/{devices}gpu"] = _launch(spec, devices)
+                save()
+                print(f"overhead {devices} GPU(s): {report['results'][f'overhead/{devices}gpu']}", flush=True)
+        if "detection" in args.only and gpus >= 4:
+            spec = {
+                **base,
+                "phase": "detection",
+                "devices": 4,
+                "layout": {"pipeline_model_parallel_size": 2},
+                "global_batch_size": base["micro_batch_size"] * 4 * 2,
+                "steps": 6 if args.cpu_dry_run else 10,
+                "runs": args.runs,
+                "factors": FACTORS,
+                "seed": 0,
+                "workdir": workdir,
+                "result": f"{workdir}/detection.json",
+            }
+            result = _launch(spec, 4)
+            if "runs" in result:
+                result["scores"] = _score(result["runs"])
+            report["results"]["detection/4gpu"] = result
+            save()
+            print(f"detection: {result.get('scores', result.get('error'))}", flush=True)
+    failed = any("error" in r for r in report["results"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

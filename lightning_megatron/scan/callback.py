@@ -1,0 +1,316 @@
+"""``MegaScan``: trace windows of training steps on every rank, and name the slow ones at fit end."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
+
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.scan.clock import ClockOffset, measure_offset, now_us
+from lightning_megatron.scan.collectives import CollectiveTracer
+from lightning_megatron.scan.format import TID, clock_metadata, open_for_append, rank_file_name, rank_metadata
+from lightning_megatron.scan.layers import LayerTracer
+from lightning_megatron.scan.recorder import Span, SpanRecorder
+from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
+from lightning_megatron.strategy.microbatch import infer_seq_length
+
+__all__ = ["MegaScan"]
+
+Granularity = Literal["stage", "layer", "op"]
+
+_COMPUTE = {"forward-compute": "forward", "backward-compute": "backward"}
+
+
+class MegaScan(pl.Callback, StepListener):
+    """Trace ``window`` consecutive steps every ``interval`` steps, one Chrome trace file per rank.
+
+    Args:
+        trace_dir: Where each rank writes ``rankNNNNN-dpD-ppP-tpT.json[.gz]`` (a shared file system for
+            multi-node jobs, or collect the files afterwards).
+        interval, window: Trace steps ``s >= start_step`` with ``(s - start_step) % interval < window``.
+        start_step: First traced step; 1 skips step 0, whose one-time warm-up would look like a slow rank.
+        granularity: ``"stage"``: forward/backward per microbatch and chunk, pipeline sends/receives,
+            collectives, gradient sync, optimizer step, data wait. ``"layer"`` adds attention and MLP of
+            every layer; ``"op"`` every module with parameters inside the layers (costly: for diagnosis).
+        detect: At fit end, rank 0 reads all traces and reports slow ranks (``self.report``, the console,
+            the Trainer's logger).
+        detect_options: Thresholds for ``scan.detect.detect`` (``min_slowdown``, ``min_z``, ``min_impact``).
+        gzip: Write ``.json.gz``.
+        clock_rounds: Round trips per rank when measuring clock offsets (at fit start and after each window).
+    """
+
+    def __init__(
+        self,
+        trace_dir: Union[str, Path] = "megascan",
+        interval: int = 5,
+        window: int = 2,
+        start_step: int = 1,
+        granularity: Granularity = "stage",
+        detect: bool = True,
+        detect_options: Optional[dict[str, float]] = None,
+        gzip: bool = False,
+        clock_rounds: int = 8,
+    ) -> None:
+        if window < 1 or interval < window:
+            raise MegatronConfigError(
+                f"MegaScan(interval={interval}, window={window}): need 1 <= window <= interval "
+                "(window steps are traced out of every interval steps)."
+            )
+        if granularity not in ("stage", "layer", "op"):
+            raise MegatronConfigError(f"MegaScan(granularity={granularity!r}): choose 'stage', 'layer' or 'op'.")
+        if start_step < 0 or clock_rounds < 1:
+            raise MegatronConfigError("MegaScan: start_step must be >= 0 and clock_rounds >= 1.")
+        self.trace_dir = Path(trace_dir)
+        self.interval, self.window, self.start_step = interval, window, start_step
+        self.granularity = granularity
+        self.detect, self.gzip, self.clock_rounds = detect, gzip, clock_rounds
+        self.detect_options = dict(detect_options or {})
+        self.report: Any = None
+        self.path: Optional[Path] = None
+        self._strategy: Any = None
+        self._file: Optional[io.TextIOBase] = None
+        self._recorder: Optional[SpanRecorder] = None
+        self._collectives: Optional[CollectiveTracer] = None
+        self._layers: Optional[LayerTracer] = None
+        self._context: dict[str, Any] = {}
+        self._open: dict[str, list[Span]] = {}
+        self._p2p_seq: dict[tuple[int, str, str], int] = {}
+        self._step_span: Optional[Span] = None
+        self._optimizer_span: Optional[Span] = None
+        self._last_batch_end: Optional[float] = None
+        self._clock_group: Any = None
+
+    # -- which steps -------------------------------------------------------------------------------
+    def is_traced(self, step: int) -> bool:
+        return step >= self.start_step and (step - self.start_step) % self.interval < self.window
+
+    def _window_ends(self, step: int, max_steps: int) -> bool:
+        return (step - self.start_step) % self.interval == self.window - 1 or step == max_steps - 1
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_megatron.strategy import MegatronAppStrategy
+
+        if stage != "fit":
+            return
+        if not isinstance(trainer.strategy, MegatronAppStrategy):
+            raise MegatronConfigError(
+                f"MegaScan traces MegatronAppStrategy runs; this Trainer uses {type(trainer.strategy).__name__}. "
+                "Pass strategy=MegatronAppStrategy(...) (or strategy='megatron')."
+            )
+        self._strategy = trainer.strategy
+        self._strategy.add_step_listener(self)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy
+        parallel = strategy.parallel
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        coords = parallel.coordinates
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.trace_dir / rank_file_name(rank, coords["dp"], coords["pp"], coords["tp"], self.gzip)
+        self.path.unlink(missing_ok=True)  # this rank's file only: other runs' files are not ours to delete
+        use_cuda = strategy.root_device.type == "cuda"
+        self._recorder = SpanRecorder(rank, use_cuda)
+        self._context = {"step": None}
+        self._collectives = CollectiveTracer(self._recorder, self._context)
+        if self.granularity != "stage":
+            self._layers = LayerTracer(self._recorder, self._context, ops=self.granularity == "op")
+            self._layers.attach(strategy.wrapped_chunks)
+        layout = parallel.layout
+        info = {
+            "world_size": world,
+            **coords,
+            "host": socket.gethostname(),
+            "device": str(strategy.root_device),
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "granularity": self.granularity,
+            "pipeline_size": layout.pipeline,
+            "tensor_size": layout.tensor,
+            "data_parallel_size": parallel.data_parallel_size,
+            "virtual_pipeline_size": layout.virtual_pipeline,
+            "start_step": self.start_step,
+            "interval": self.interval,
+            "window": self.window,
+        }
+        self._file = open_for_append(self.path)
+        self._write(rank_metadata(rank, info))
+        if dist.is_initialized() and world > 1:
+            # Round trips need a host-side group: gloo, also when the training collectives run on NCCL.
+            self._clock_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        self._measure_clock()
+        self._file.flush()
+
+    def _measure_clock(self) -> None:
+        offset = measure_offset(self._clock_group, self.clock_rounds) if self._clock_group is not None else None
+        offset = offset or ClockOffset(0.0, 0.0, now_us(), 0)
+        self._write(
+            [
+                clock_metadata(
+                    self._recorder.rank, offset.offset_us, offset.uncertainty_us, offset.at_us, offset.round_trips
+                )
+            ]
+        )
+
+    def _write(self, events: list[dict[str, Any]]) -> None:
+        self._file.write("".join(json.dumps(e, separators=(",", ":")) + ",\n" for e in events))
+
+    # -- the traced step ---------------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        now = now_us()
+        if self._recorder is None or not self.is_traced(step):
+            return
+        recorder = self._recorder
+        if not recorder.active:
+            recorder.begin_window()
+            self._collectives.install()
+        self._context["step"] = step
+        self._context["p2p_bytes"] = self._p2p_bytes(batch)
+        self._p2p_seq = {}
+        if self._last_batch_end is not None:
+            recorder.add("data-wait", "data", TID["host"], self._last_batch_end, now, {"step": step})
+        self._step_span = recorder.open(f"step {step}", "step", TID["steps"], {"step": step})
+
+    def _p2p_bytes(self, batch: Any) -> Optional[int]:
+        """Bytes of one activation between pipeline stages: [seq (/ TP with SP), micro-batch, hidden]."""
+        config = get_model_config(self._strategy.wrapped_chunks[0])
+        try:
+            seq = infer_seq_length(batch)
+        except (TypeError, ValueError):
+            return None
+        if config.sequence_parallel:
+            seq //= config.tensor_model_parallel_size
+        dtype = config.pipeline_dtype or torch.float32
+        return seq * self._strategy.micro_batch_size * config.hidden_size * torch.finfo(dtype).bits // 8
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = None  # the wait before the next training batch is not data loading
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._recorder is not None and self._recorder.active:
+            step = {"step": self._context["step"]}
+            self._optimizer_span = self._recorder.open("optimizer-step", "optimizer", TID["host"], step)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        recorder = self._recorder
+        if recorder is not None and recorder.active:
+            for span in (self._optimizer_span, self._step_span):
+                if span is not None:
+                    recorder.close(span)
+            self._optimizer_span = self._step_span = None
+            step = trainer.global_step - 1  # global_step already counts this batch's optimizer step
+            if self._window_ends(step, trainer.max_steps):
+                self._finish_window()
+        self._last_batch_end = now_us()
+
+    def _finish_window(self) -> None:
+        self._collectives.uninstall()
+        events = self._recorder.end_window()
+        self._open = {}
+        self._write(events)
+        self._measure_clock()
+        self._file.flush()
+
+    # -- StepListener: megatron-core's timers and the strategy's microbatch announcements --------
+    def span_start(self, name: str) -> None:
+        recorder = self._recorder
+        if recorder is None or not recorder.active:
+            return
+        step = self._context["step"]
+        if name in _COMPUTE:
+            span = recorder.open(_COMPUTE[name], "compute", TID["compute"], {"step": step})
+        elif name in P2P_TIMERS:
+            span = recorder.open(name, "p2p", TID["communication"], self._p2p_args(name, step))
+        elif name == "all-grads-sync":
+            span = recorder.open("grad-sync", "grad_sync", TID["host"], {"step": step})
+        else:
+            return
+        self._open.setdefault(name, []).append(span)
+
+    def span_stop(self, name: str) -> None:
+        stack = self._open.get(name)
+        if stack and self._recorder is not None:
+            self._recorder.close(stack.pop())
+
+    def microbatch(self, phase: str, chunk: int, microbatch: int) -> None:
+        stack = self._open.get(f"{phase}-compute")
+        if stack:
+            stack[-1].args.update(microbatch=microbatch, chunk=chunk)
+        if self._layers is not None:
+            self._layers.current = (phase, chunk, microbatch)
+
+    def _p2p_args(self, name: str, step: int) -> dict[str, Any]:
+        neighbours = {
+            "next": parallel_state.get_pipeline_model_parallel_next_rank(),
+            "prev": parallel_state.get_pipeline_model_parallel_prev_rank(),
+        }
+        size = self._context.get("p2p_bytes")
+        sends, recvs = P2P_TIMERS[name]
+
+        def messages(kind: str, ends: list[tuple[str, str]]) -> list[dict[str, Any]]:
+            out = []
+            for neighbour, direction in ends:
+                peer = neighbours[neighbour]
+                key = (peer, kind, direction)
+                seq = self._p2p_seq.get(key, 0)
+                self._p2p_seq[key] = seq + 1
+                out.append({"peer": peer, "bytes": size, "seq": seq, "direction": direction})
+            return out
+
+        return {"step": step, "sends": messages("send", sends), "recvs": messages("recv", recvs)}
+
+    # -- the end -----------------------------------------------------------------------------------
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._recorder is None:
+            return
+        if self._recorder.active:  # the run ended inside a window (max_steps, or a stop signal)
+            self._finish_window()
+        self._close()
+        trainer.strategy.barrier("megascan")
+        if self.detect and trainer.is_global_zero:
+            from lightning_megatron.scan.detect import detect, log_to
+
+            self.report = detect(self.trace_dir, **self.detect_options)
+            print(f"MegaScan ({self.trace_dir}):\n{self.report.table()}", flush=True)
+            if trainer.logger is not None:
+                log_to(trainer.logger, self.report, trainer.global_step)
+        if self.detect:
+            self.report = trainer.strategy.broadcast(self.report, src=0)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+        if self._strategy is not None:
+            self._strategy.remove_step_listener(self)
+        if self._layers is not None:
+            self._layers.detach()
+            self._layers = None
+        if self._clock_group is not None and self._clock_group is not dist.group.WORLD:
+            dist.destroy_process_group(self._clock_group)
+        self._clock_group = None
+
+    def _close(self) -> None:
+        """Leave nothing patched or open, whatever ended the run."""
+        if self._collectives is not None:
+            self._collectives.uninstall()
+        if self._recorder is not None:
+            self._recorder.active = False
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,80 @@
+"""Per-layer spans (``granularity="layer"``: attention and MLP; ``"op"``: every module with parameters).
+
+Module hooks, attached only when asked for: forward pre/post hooks time the forward, full backward
+pre/post hooks the backward. Like every MegaScan span they cost nothing outside traced windows beyond a
+flag check, but inside a window they add two timestamps per module call, which is why ``"stage"`` is the
+default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import unwrap_model
+
+from lightning_megatron.scan.format import TID
+from lightning_megatron.scan.recorder import Span, SpanRecorder
+
+__all__ = ["LayerTracer"]
+
+
+class LayerTracer:
+    def __init__(self, recorder: SpanRecorder, context: dict[str, Any], ops: bool = False) -> None:
+        self.recorder = recorder
+        self.context = context
+        self.ops = ops
+        self.current: Optional[tuple[str, int, int]] = None  # (phase, chunk, microbatch), set by MegaScan
+        self._handles: list[Any] = []
+        self._open: dict[tuple[int, str], list[Span]] = {}
+
+    def attach(self, chunks: Sequence[torch.nn.Module]) -> None:
+        for chunk in chunks:
+            for layer in unwrap_model(chunk).modules():
+                if not isinstance(layer, TransformerLayer):
+                    continue
+                number = int(layer.layer_number)
+                parts = {"attention": layer.self_attention, "mlp": layer.mlp}
+                if self.ops:
+                    parts = {
+                        name: module
+                        for name, module in layer.named_modules()
+                        if name and any(True for _ in module.parameters(recurse=False))
+                    }
+                for part, module in parts.items():
+                    self._hook(module, number, part)
+
+    def _hook(self, module: torch.nn.Module, layer: int, part: str) -> None:
+        name = f"layer {layer} {part}"
+        cat = "compute.op" if self.ops else "compute.layer"
+
+        def opener(direction: str):  # noqa: ANN202
+            def hook(*_: Any) -> None:
+                if self.recorder.active:
+                    args = {"step": self.context.get("step"), "layer": layer, "part": part, "direction": direction}
+                    span = self.recorder.open(f"{name} {direction}", cat, TID["layers"], args)
+                    self._open.setdefault((id(module), direction), []).append(span)
+
+            return hook
+
+        def closer(direction: str):  # noqa: ANN202
+            def hook(*_: Any) -> None:
+                stack = self._open.get((id(module), direction))
+                if stack:
+                    self.recorder.close(stack.pop())
+
+            return hook
+
+        self._handles += [
+            module.register_forward_pre_hook(opener("forward")),
+            module.register_forward_hook(closer("forward")),
+            module.register_full_backward_pre_hook(opener("backward")),
+            module.register_full_backward_hook(closer("backward")),
+        ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

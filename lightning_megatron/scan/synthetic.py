@@ -1,0 +1,390 @@
+"""Synthetic MegaScan traces with known ground truth: what the offline tools are tested and benchmarked on.
+
+A real multi-node trace cannot say which rank *was* slow, which link *was* degraded or how far each clock
+*really* was from rank 0's; a simulated one can. ``generate_traces`` simulates a megatron-core job (tensor,
+pipeline and data parallelism, 1F1B pipeline schedule) in true time, then writes what every rank would have
+recorded on its own skewed clock, in exactly the format of ``lightning_megatron.scan.format``.
+
+The simulation, per step:
+
+* every rank waits for data (``data-wait``; ``slow_data`` multiplies it), then runs its stage's 1F1B schedule:
+  warm-up forwards, steady one-forward-one-backward, cool-down backwards (backward ≈ 2× forward);
+* every forward / backward holds two tensor-parallel ``all_reduce`` collectives over its TP group: each member's
+  span starts at its own arrival and ends when the last member has arrived plus the transfer time, so the peers
+  of a slow rank show long collectives and the slow rank itself arrives last with a short one;
+* activations / gradients travel between adjacent stages as p2p sends and recvs (lane ``tp`` of stage ``pp``
+  talks to lane ``tp`` of the next stage). Sends are eager (``isend`` semantics): the send span lasts the
+  transfer time, ``bytes / bandwidth × slow_links[(src, dst)]``, and the recv span ends when the data has
+  arrived (or right away if it already had);
+* after the last backward each rank all-reduces its gradients over its DP group (``grad-sync`` span and the
+  ``collective`` inside it), then runs ``optimizer-step``; a ``step N`` span covers the whole step.
+
+A slow rank's compute (forward, backward, optimizer) is ``slow_ranks[rank]`` times longer. Rank layout is
+megatron-core's default order ``tp-cp-ep-dp-pp``: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``.
+
+    python -m lightning_megatron.scan.synthetic /tmp/trace --dp 64 --pp 4 --tp 4 --slow-rank 37:1.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_megatron.scan.format import TID, clock_metadata, rank_file_name, rank_metadata
+
+__all__ = ["generate_traces", "rank_of", "coords_of", "main"]
+
+# Bandwidths in bytes per microsecond (1 GB/s = 1000 bytes/µs) and message sizes in bytes: plausible numbers for a
+# GPT with hidden size 2048, sequence 2048, micro-batch 1, bf16, so the waits have realistic proportions.
+TP_BANDWIDTH = 200_000.0  # NVLink
+P2P_BANDWIDTH = 50_000.0  # between pipeline stages
+DP_BANDWIDTH = 25_000.0  # across nodes
+ACTIVATION_BYTES = 8 * 1024 * 1024
+GRAD_BYTES = 64 * 1024 * 1024
+DATA_WAIT_US = 200.0
+OPTIMIZER_FACTOR = 0.75  # optimizer step, relative to one forward
+RECV_OVERHEAD_US = 5.0  # a recv whose data is already there still takes a moment
+STEP_GAP_US = 50.0
+END_NOISE_US = 1.0  # members of one collective see its end within this much of each other
+START_US = 1_000_000.0  # true time of the first step; keeps every local clock positive
+DEFAULT_MAX_OFFSET_US = 50_000.0
+
+
+def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    """Global rank of a (dp, pp, tp) coordinate in megatron-core's default ``tp-cp-ep-dp-pp`` order."""
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def coords_of(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
+    """``(dp_rank, pp_rank, tp_rank)`` of a global rank; the inverse of ``rank_of``."""
+    return (rank // tp) % dp, rank // (tp * dp), rank % tp
+
+
+def _schedule(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The 1F1B op list of one pipeline stage: (op, microbatch) with ops F, B and p2p RF, SF, RB, SB."""
+    first, last = stage == 0, stage == stages - 1
+    warmup = min(stages - stage - 1, microbatches)
+    ops: list[tuple[str, int]] = []
+
+    def forward(mb: int) -> None:
+        ops.extend(([] if first else [("RF", mb)]) + [("F", mb)] + ([] if last else [("SF", mb)]))
+
+    def backward(mb: int) -> None:
+        ops.extend(([] if last else [("RB", mb)]) + [("B", mb)] + ([] if first else [("SB", mb)]))
+
+    for mb in range(warmup):
+        forward(mb)
+    for j in range(microbatches - warmup):
+        forward(warmup + j)
+        backward(j)
+    for j in range(microbatches - warmup, microbatches):
+        backward(j)
+    return ops
+
+
+class _Simulation:
+    """The job in true time; per-rank event lines in local time, formatted cheaply (1024 ranks must take seconds)."""
+
+    def __init__(
+        self,
+        world: int,
+        offsets: dict[int, float],
+        compute: list[float],
+        slow_links: dict[tuple[int, int], float],
+        rng: random.Random,
+        jitter: float,
+        forward_us: float,
+    ) -> None:
+        self.lines: list[list[str]] = [[] for _ in range(world)]
+        self.offsets, self.compute, self.slow_links = offsets, compute, slow_links
+        self.rng, self.jitter, self.forward_us = rng, jitter, forward_us
+        self.now: list[float] = [START_US] * world  # true time at which each rank is free
+        self.group_seq: dict[tuple[int, ...], int] = {}
+        self.counts = {"p2p_pairs": 0, "collectives": 0, "collective_flows": 0}
+
+    def x(self, rank: int, name: str, cat: str, tid: int, start: float, end: float, args: dict[str, Any]) -> None:
+        ts = start - self.offsets[rank]  # true time → the rank's own clock
+        self.lines[rank].append(
+            f'{{"name":"{name}","cat":"{cat}","ph":"X","pid":{rank},"tid":{tid},"ts":{ts:.3f},'
+            f'"dur":{max(end - start, 0.0):.3f},"args":{json.dumps(args, separators=(",", ":"))}}}'
+        )
+
+    def jit(self, duration: float) -> float:
+        return duration * max(0.5, 1.0 + self.jitter * self.rng.gauss(0.0, 1.0)) if self.jitter else duration
+
+    def collective(
+        self, members: list[int], arrivals: list[float], nbytes: int, transfer: float, group_name: str, step: int
+    ) -> list[float]:
+        """Every member waits for the last one; writes each member's span and returns its end (true time)."""
+        group = tuple(sorted(members))
+        seq = self.group_seq.get(group, 0)
+        self.group_seq[group] = seq + 1
+        self.counts["collectives"] += 1
+        self.counts["collective_flows"] += len(members) - 1
+        done = max(arrivals) + transfer
+        args = {"step": step, "group": list(group), "group_name": group_name, "seq": seq, "bytes": nbytes}
+        args["async"] = False
+        ends = []
+        for rank, arrival in zip(members, arrivals):
+            end = done + self.rng.random() * END_NOISE_US
+            self.x(rank, "all_reduce", "collective", TID["communication"], arrival, end, args)
+            ends.append(end)
+        return ends
+
+    def pipeline(self, step: int, lanes: list[list[int]], schedules: list[list[tuple[str, int]]]) -> None:
+        """One DP replica's pipeline for one step (``lanes[stage][tp_rank]`` = rank): each stage advances through
+        its 1F1B ops until a recv's data has not been sent yet; sweeps repeat until every stage is done (1F1B with
+        eager sends cannot deadlock)."""
+        pp, tp, now = len(lanes), len(lanes[0]), self.now
+        tp_transfer = 2.0 * (tp - 1) / tp * ACTIVATION_BYTES / TP_BANDWIDTH
+        sent: dict[tuple[str, int, int, int], float] = {}  # (direction, src stage, lane, mb) → arrival (true time)
+        pointer = [0] * pp
+        while any(pointer[s] < len(schedules[s]) for s in range(pp)):
+            progressed = False
+            for s in range(pp):
+                ops = schedules[s]
+                while pointer[s] < len(ops):
+                    op, mb = ops[pointer[s]]
+                    if op in ("RF", "RB"):
+                        direction, src = ("forward", s - 1) if op == "RF" else ("backward", s + 1)
+                        if (direction, src, 0, mb) not in sent:
+                            break
+                        for t, rank in enumerate(lanes[s]):
+                            end = max(now[rank], sent[(direction, src, t, mb)]) + RECV_OVERHEAD_US
+                            recv = {"peer": lanes[src][t], "bytes": ACTIVATION_BYTES, "seq": mb, "direction": direction}
+                            args = {"step": step, "recvs": [recv]}
+                            self.x(rank, f"{direction}-recv", "p2p", TID["communication"], now[rank], end, args)
+                            now[rank] = end
+                            self.counts["p2p_pairs"] += 1
+                    elif op in ("SF", "SB"):
+                        direction, dst = ("forward", s + 1) if op == "SF" else ("backward", s - 1)
+                        for t, rank in enumerate(lanes[s]):
+                            peer = lanes[dst][t]
+                            transfer = self.jit(ACTIVATION_BYTES / P2P_BANDWIDTH) * self.slow_links.get(
+                                (rank, peer), 1.0
+                            )
+                            send = {"peer": peer, "bytes": ACTIVATION_BYTES, "seq": mb, "direction": direction}
+                            args = {"step": step, "sends": [send]}
+                            self.x(
+                                rank,
+                                f"{direction}-send",
+                                "p2p",
+                                TID["communication"],
+                                now[rank],
+                                now[rank] + transfer,
+                                args,
+                            )
+                            now[rank] += transfer
+                            sent[(direction, s, t, mb)] = now[rank]
+                    else:  # F or B: two halves of compute, each closed by a TP all_reduce (as attention and MLP are)
+                        base = self.forward_us * (1.0 if op == "F" else 2.0)
+                        starts = [now[r] for r in lanes[s]]
+                        for _half in range(2):
+                            arrivals = [now[r] + self.jit(base / 2.0) * self.compute[r] for r in lanes[s]]
+                            if tp > 1:
+                                arrivals = self.collective(
+                                    lanes[s], arrivals, ACTIVATION_BYTES, tp_transfer, "tp", step
+                                )
+                            for r, end in zip(lanes[s], arrivals):
+                                now[r] = end
+                        name = "forward" if op == "F" else "backward"
+                        args = {"step": step, "microbatch": mb, "chunk": 0}
+                        for r, start in zip(lanes[s], starts):
+                            self.x(r, name, "compute", TID["compute"], start, now[r], args)
+                    pointer[s] += 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError(f"synthetic pipeline deadlocked at {pointer}")
+
+
+def generate_traces(
+    out_dir: str | Path,
+    *,
+    dp: int = 2,
+    pp: int = 2,
+    tp: int = 2,
+    steps: int = 2,
+    microbatches: int = 4,
+    slow_ranks: Optional[dict[int, float]] = None,
+    slow_links: Optional[dict[tuple[int, int], float]] = None,
+    slow_data: Optional[dict[int, float]] = None,
+    clock_offsets_us: Optional[dict[int, float]] = None,
+    seed: int = 0,
+    gzipped: bool = False,
+    jitter: float = 0.02,
+    forward_us: float = 2000.0,
+    host: str = "node0",
+    truncate_ranks: tuple[int, ...] = (),
+    missing_ranks: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    """Simulate a dp × pp × tp job for ``steps`` steps and write one rank file per rank into ``out_dir``.
+
+    ``slow_ranks`` {rank: compute factor}, ``slow_links`` {(src, dst): p2p transfer factor}, ``slow_data``
+    {rank: data-wait factor}; ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
+    given get 0); by default every rank but 0 gets a random offset within ±50 ms. ``truncate_ranks`` are cut in
+    the middle of a line (as by a crash); ``missing_ranks`` are not written at all.
+
+    Returns the ground truth: ``world_size``, ``dp``/``pp``/``tp``, ``ranks`` {rank: {dp, pp, tp}}, the slow
+    things as given, ``clock_offsets_us`` {rank: what ``rank0_time - local_time`` really is},
+    ``clock_uncertainty_us``, ``files``, and counts the aggregator must reproduce: ``p2p_pairs`` (matched
+    send/recv pairs), ``collectives`` (instances) and ``collective_flows`` (Σ members − 1).
+    """
+    if min(dp, pp, tp, steps, microbatches) < 1:
+        raise ValueError("dp, pp, tp, steps and microbatches must all be >= 1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    world = dp * pp * tp
+    rng = random.Random(seed)
+    slow_ranks, slow_links, slow_data = dict(slow_ranks or {}), dict(slow_links or {}), dict(slow_data or {})
+    if clock_offsets_us is None:
+        raw = {r: (0.0 if r == 0 else rng.uniform(-DEFAULT_MAX_OFFSET_US, DEFAULT_MAX_OFFSET_US)) for r in range(world)}
+    else:
+        raw = {r: float(clock_offsets_us.get(r, 0.0)) for r in range(world)}
+    # local = true - raw[r]; rank 0's clock is the reference, so the offset a rank should report is relative to it.
+    truth_offsets = {r: raw[r] - raw[0] for r in range(world)}
+    uncertainty = {r: (0.0 if r == 0 else rng.uniform(20.0, 80.0)) for r in range(world)}
+    sim = _Simulation(world, raw, [slow_ranks.get(r, 1.0) for r in range(world)], slow_links, rng, jitter, forward_us)
+    now = sim.now
+    dp_transfer = 2.0 * (dp - 1) / dp * GRAD_BYTES / DP_BANDWIDTH
+    schedules = [_schedule(s, pp, microbatches) for s in range(pp)]
+    lanes = [[[rank_of(d, s, t, dp, tp) for t in range(tp)] for s in range(pp)] for d in range(dp)]
+
+    for step in range(steps):
+        step_start = list(now)
+        for rank in range(world):
+            end = now[rank] + sim.jit(DATA_WAIT_US) * slow_data.get(rank, 1.0)
+            sim.x(rank, "data-wait", "data", TID["host"], now[rank], end, {"step": step})
+            now[rank] = end
+        for d in range(dp):
+            sim.pipeline(step, lanes[d], schedules)
+        for s in range(pp):  # gradient all-reduce over each DP group, then the optimizer
+            for t in range(tp):
+                members = [lanes[d][s][t] for d in range(dp)]
+                arrivals = [now[r] for r in members]
+                if dp > 1:
+                    ends = sim.collective(members, arrivals, GRAD_BYTES, dp_transfer, "dp", step)
+                else:
+                    ends = [a + 10.0 for a in arrivals]
+                for rank, arrival, end in zip(members, arrivals, ends):
+                    sim.x(rank, "grad-sync", "grad_sync", TID["host"], arrival, end, {"step": step})
+                    opt_end = end + sim.jit(OPTIMIZER_FACTOR * forward_us) * sim.compute[rank]
+                    sim.x(rank, "optimizer-step", "optimizer", TID["host"], end, opt_end, {"step": step})
+                    sim.x(rank, f"step {step}", "step", TID["steps"], step_start[rank], opt_end, {"step": step})
+                    now[rank] = opt_end + STEP_GAP_US
+
+    # Files: metadata and clock records first (written at fit start by the real callback), then the events.
+    files: dict[int, str] = {}
+    missing, truncated = set(missing_ranks), set(truncate_ranks)
+    for rank in range(world):
+        if rank in missing:
+            continue
+        d, s, t = coords_of(rank, dp, tp)
+        info = {
+            "world_size": world,
+            "dp": d,
+            "pp": s,
+            "tp": t,
+            "host": host,
+            "device": "synthetic",
+            "backend": "synthetic",
+            "granularity": "stage",
+            "pipeline_size": pp,
+            "tensor_size": tp,
+            "data_parallel_size": dp,
+            "virtual_pipeline_size": None,
+            "start_step": 0,
+        }
+        head = [json.dumps(e) for e in rank_metadata(rank, info)]
+        local_start = START_US - raw[rank]
+        for i in range(3):
+            noisy = truth_offsets[rank] + (rng.gauss(0.0, uncertainty[rank] / 3.0) if rank else 0.0)
+            record = clock_metadata(rank, noisy, uncertainty[rank], local_start + i * 1000.0, 8 if rank else 0)
+            head.append(json.dumps(record))
+        text = "[\n" + "".join(line + ",\n" for line in head + sim.lines[rank])
+        path = out / rank_file_name(rank, d, s, t, gzipped)
+        data = text.encode()
+        if gzipped:
+            data = gzip.compress(data, compresslevel=1)
+        if rank in truncated:
+            cut = int(len(data) * 0.6)
+            if not gzipped:
+                while cut < len(data) - 2 and data[cut - 1 : cut] in (b"\n", b","):
+                    cut += 3  # land inside a line, not between two
+            data = data[:cut]
+        path.write_bytes(data)
+        files[rank] = str(path)
+
+    return {
+        "world_size": world,
+        "dp": dp,
+        "pp": pp,
+        "tp": tp,
+        "steps": steps,
+        "microbatches": microbatches,
+        "ranks": {r: dict(zip(("dp", "pp", "tp"), coords_of(r, dp, tp))) for r in range(world)},
+        "slow_ranks": slow_ranks,
+        "slow_links": slow_links,
+        "slow_data": slow_data,
+        "clock_offsets_us": truth_offsets,
+        "clock_uncertainty_us": uncertainty,
+        "missing_ranks": sorted(missing),
+        "truncated_ranks": sorted(truncated),
+        "files": files,
+        "events": sum(len(lines) for lines in sim.lines),
+        **sim.counts,
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_megatron.scan.synthetic", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("out_dir")
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--slow-rank", action="append", default=[], metavar="RANK:FACTOR")
+    parser.add_argument("--slow-link", action="append", default=[], metavar="SRC:DST:FACTOR")
+    parser.add_argument("--slow-data", action="append", default=[], metavar="RANK:FACTOR")
+    parser.add_argument("--truncate", type=int, action="append", default=[], metavar="RANK")
+    parser.add_argument("--missing", type=int, action="append", default=[], metavar="RANK")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jitter", type=float, default=0.02)
+    parser.add_argument("--forward-us", type=float, default=2000.0)
+    parser.add_argument("--gzip", action="store_true")
+    args = parser.parse_args(argv)
+
+    def pairs(items: list[str]) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (item.split(":") for item in items)}
+
+    links = {(int(a), int(b)): float(f) for a, b, f in (item.split(":") for item in args.slow_link)}
+    truth = generate_traces(
+        args.out_dir,
+        dp=args.dp,
+        pp=args.pp,
+        tp=args.tp,
+        steps=args.steps,
+        microbatches=args.microbatches,
+        slow_ranks=pairs(args.slow_rank),
+        slow_links=links,
+        slow_data=pairs(args.slow_data),
+        seed=args.seed,
+        gzipped=args.gzip,
+        jitter=args.jitter,
+        forward_us=args.forward_us,
+        truncate_ranks=tuple(args.truncate),
+        missing_ranks=tuple(args.missing),
+    )
+    summary = {k: truth[k] for k in ("world_size", "events", "p2p_pairs", "collectives", "missing_ranks")}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

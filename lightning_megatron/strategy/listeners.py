@@ -1,0 +1,86 @@
+"""What the strategy tells observers about a step, without anyone patching a schedule.
+
+megatron-core's schedules, p2p layer and gradient sync call ``config.timers(name).start()/.stop()`` around
+every forward and backward compute, every pipeline send/receive and the gradient sync, whatever the
+schedule (a future one included, as long as it follows megatron-core's conventions). The strategy owns the
+forward step, so it also knows which microbatch and model chunk each forward and backward belongs to.
+``StepListener`` is that interface: tracing (``lightning_megatron.scan``) and fault injection implement it;
+the strategy installs a dispatcher as ``config.timers`` only while a listener is registered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["P2P_TIMERS", "StepListener", "TimersDispatcher"]
+
+# megatron-core's pipeline timer names → (sends, receives), each as (pipeline neighbour, direction).
+P2P_TIMERS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
+    "forward-recv": ((), (("prev", "forward"),)),
+    "forward-send": ((("next", "forward"),), ()),
+    "backward-recv": ((), (("next", "backward"),)),
+    "backward-send": ((("prev", "backward"),), ()),
+    "forward-send-backward-recv": ((("next", "forward"),), (("next", "backward"),)),
+    "backward-send-forward-recv": ((("prev", "backward"),), (("prev", "forward"),)),
+    "forward-send-forward-recv": ((("next", "forward"),), (("prev", "forward"),)),
+    "backward-send-backward-recv": ((("prev", "backward"),), (("next", "backward"),)),
+    "forward-backward-send-forward-backward-recv": (
+        (("next", "forward"), ("prev", "backward")),
+        (("prev", "forward"), ("next", "backward")),
+    ),
+}
+
+
+class StepListener:
+    """Receives the spans of every training step; override what you need (all no-ops here).
+
+    ``nesting`` orders listeners: higher runs inside lower (started after, stopped before), so a fault
+    injector (1) acts inside the spans a tracer (0) measures.
+    """
+
+    nesting: int = 0
+
+    def span_start(self, name: str) -> None:
+        """A megatron-core timer started: ``forward-compute``, ``backward-compute``, ``forward-send``, ..."""
+
+    def span_stop(self, name: str) -> None:
+        """The timer of that name stopped."""
+
+    def microbatch(self, phase: str, chunk: int, microbatch: int) -> None:
+        """The ``phase`` (``"forward"`` or ``"backward"``) now running is that of this chunk's microbatch."""
+
+
+class _Timer:
+    __slots__ = ("name", "listeners")
+
+    def __init__(self, name: str, listeners: list[StepListener]) -> None:
+        self.name = name
+        self.listeners = listeners
+
+    def start(self, barrier: bool = False) -> None:
+        for listener in sorted(self.listeners, key=lambda listener: listener.nesting):
+            listener.span_start(self.name)
+
+    def stop(self, barrier: bool = False) -> None:
+        for listener in sorted(self.listeners, key=lambda listener: -listener.nesting):
+            listener.span_stop(self.name)
+
+    def elapsed(self, *args: Any, **kwargs: Any) -> float:  # part of megatron's timer interface; unused here
+        return 0.0
+
+
+class TimersDispatcher:
+    """Stands in for megatron-core's ``Timers`` (``config.timers``) and forwards each start/stop to listeners."""
+
+    def __init__(self, listeners: list[StepListener]) -> None:
+        self.listeners = listeners
+        self._timers: dict[str, _Timer] = {}
+
+    def __call__(self, name: str, log_level: Any = None) -> _Timer:
+        timer = self._timers.get(name)
+        if timer is None:
+            timer = self._timers[name] = _Timer(name, self.listeners)
+        return timer
+
+    def log(self, *args: Any, **kwargs: Any) -> None:  # megatron's Timers API; nothing to print here
+        return None
