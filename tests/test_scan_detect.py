@@ -1,0 +1,350 @@
+"""Slow-rank detection (``lightning_megatron.scan.detect``) on synthetic MegaScan traces with known ground truth.
+
+``scan.synthetic`` simulates a dp × pp × tp job (1F1B, TP all-reduces inside forward/backward, p2p between
+stages, DP grad sync, data waits) and says which rank, link or loader it slowed; detection must name exactly
+those, with the right kind and about the right slowdown, and nothing in a clean run, whatever the clocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import random
+import statistics
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_megatron.scan import detect as detect_module
+from lightning_megatron.scan.detect import (
+    DetectionReport,
+    Suspect,
+    detect,
+    log_to,
+    lower_half_bias,
+    lower_half_median,
+    mad_sigma,
+    register_cli,
+)
+from lightning_megatron.scan.format import list_rank_files
+from lightning_megatron.scan.synthetic import generate_traces, rank_of
+
+
+def run(tmp_path: Path, name: str = "trace", **kwargs: Any) -> tuple[DetectionReport, dict[str, Any]]:
+    """Generate a synthetic trace directory and detect on it (warnings are checked where they matter)."""
+    truth = generate_traces(tmp_path / name, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return detect(tmp_path / name), truth
+
+
+def named(report: DetectionReport) -> set[tuple[int, str, Any]]:
+    return {(s.rank, s.kind, s.peer) for s in report.suspects}
+
+
+def only(report: DetectionReport, rank: int, kind: str) -> Suspect:
+    assert [(s.rank, s.kind) for s in report.suspects] == [(rank, kind)], report.table()
+    return report.suspects[0]
+
+
+# ----------------------------------------------------------------------------------------------- clean runs
+
+
+@pytest.mark.parametrize("jitter", [0.02, 0.05])
+@pytest.mark.parametrize(
+    "layout", [{}, {"dp": 1}, {"dp": 4, "tp": 1}, {"dp": 4, "pp": 4, "tp": 1}], ids=["dp2pp2tp2", "tp2", "dp4", "pp4"]
+)
+def test_clean_runs_report_nothing(tmp_path: Path, jitter: float, layout: dict[str, int]) -> None:
+    for seed in range(6):
+        report, truth = run(tmp_path, f"seed{seed}", seed=seed, jitter=jitter, **layout)
+        assert report.suspects == [], (seed, report.table())
+        assert report.table().startswith("nothing abnormal")
+        assert report.warnings == [] and len(report.per_rank) == truth["world_size"]
+
+
+def test_clock_offsets_of_tens_of_ms_are_aligned(tmp_path: Path) -> None:
+    """Offsets of ±30-50 ms (larger than a whole forward) change nothing, and the alignment is what makes the
+    collective arrival order right: without the clock records, the peer whose clock runs 30 ms ahead looks last."""
+    offsets = {r: (-1) ** r * (30_000.0 + 2_500.0 * r) for r in range(8)}
+    clean, truth = run(tmp_path, "clean", clock_offsets_us=offsets)
+    assert clean.suspects == []
+    assert max(abs(v) for v in truth["clock_offsets_us"].values()) > 30_000
+
+    # rank 2 (dp1 pp0 tp0) slow; its TP peer 3's clock is 32.5 ms ahead of true time
+    report, _ = run(tmp_path, "slow", clock_offsets_us=offsets, slow_ranks={2: 1.3})
+    suspect = only(report, 2, "compute")
+    assert suspect.evidence["collective_group"] == "tp"
+    assert suspect.evidence["last_arrival_fraction"] == 1.0  # last at every TP all-reduce, on the aligned clock
+    assert report.per_rank[3].last_arrival_fraction < 0.5
+
+    for path in list_rank_files(tmp_path / "slow").values():  # the same trace without its clock records
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if '"megascan.clock"' not in line))
+    with pytest.warns(UserWarning, match="no megascan.clock record"):
+        unaligned = detect(tmp_path / "slow")
+    assert unaligned.per_rank[2].last_arrival_fraction < 0.5  # rank 3 (clock ahead) now seems to arrive last
+    assert named(unaligned) == {(2, "compute", None)}  # compute itself never depends on the clocks
+
+
+# ----------------------------------------------------------------------------------------------- compute
+
+
+@pytest.mark.parametrize("factor", [1.2, 1.5])
+@pytest.mark.parametrize("slow", [1, 4, 7])
+def test_one_slow_rank_is_named_with_its_slowdown(tmp_path: Path, factor: float, slow: int) -> None:
+    report, truth = run(tmp_path, slow_ranks={slow: factor})
+    suspect = only(report, slow, "compute")
+    assert abs(suspect.slowdown - (factor - 1)) <= 0.05, suspect
+    coords = truth["ranks"][slow]
+    assert (suspect.dp, suspect.pp, suspect.tp, suspect.host) == (coords["dp"], coords["pp"], coords["tp"], "node0")
+    assert suspect.peer is None
+    evidence = suspect.evidence
+    assert evidence["median_ms"] > evidence["baseline_ms"] * (1 + factor - 1.05)
+    assert evidence["collective_group"] == "tp" and evidence["last_arrival_fraction"] == 1.0
+    assert evidence["imposed_wait_ms"] > 0 and evidence["impact_ms"] > 0
+
+
+def test_waiting_peers_are_not_blamed(tmp_path: Path) -> None:
+    """Rank 1 (dp0 pp0 tp1) is slow. Its TP peer 0 waits inside every all-reduce, its pipeline neighbour 5 (pp1)
+    waits for activations, and the DP grad sync makes everyone wait: every rank's step is as long as rank 1's,
+    so step times cannot tell who is slow, but net compute (waits taken out) can."""
+    report, _ = run(tmp_path, slow_ranks={1: 1.5})
+    only(report, 1, "compute")
+    tp_peer, neighbour, elsewhere = 0, rank_of(0, 1, 1, dp=2, tp=2), 2
+    per_rank = report.per_rank
+    assert min(r.step_ms for r in per_rank.values()) > 0.9 * per_rank[1].step_ms
+    assert per_rank[tp_peer].compute_ms == pytest.approx(per_rank[elsewhere].compute_ms, rel=0.05)
+    assert per_rank[neighbour].compute_ms == pytest.approx(per_rank[rank_of(1, 1, 1, dp=2, tp=2)].compute_ms, rel=0.05)
+    assert per_rank[1].compute_ms == pytest.approx(1.5 * per_rank[elsewhere].compute_ms, rel=0.05)
+    assert per_rank[tp_peer].last_arrival_fraction < 0.5 < per_rank[1].last_arrival_fraction
+
+
+def test_two_slow_ranks_in_different_groups(tmp_path: Path) -> None:
+    report, _ = run(tmp_path, slow_ranks={0: 1.2, 5: 1.4})
+    assert named(report) == {(0, "compute", None), (5, "compute", None)}, report.table()
+    by_rank = {s.rank: s for s in report.suspects}
+    assert abs(by_rank[0].slowdown - 0.2) <= 0.05 and abs(by_rank[5].slowdown - 0.4) <= 0.05
+    assert [s.rank for s in report.suspects] == [5, 0]  # ranked by the time they cost
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_slow_ranks_of_four_data_parallel_peers(tmp_path: Path, tp: int) -> None:
+    """2 of the 4 data-parallel peers of stage 0 slowed: the lower-half baseline is still the healthy level."""
+    slow = {rank_of(0, 0, 0, dp=4, tp=tp): 1.2, rank_of(2, 0, 0, dp=4, tp=tp): 1.5}
+    report, _ = run(tmp_path, dp=4, tp=tp, slow_ranks=slow)
+    assert named(report) == {(rank, "compute", None) for rank in slow}, report.table()
+    for suspect in report.suspects:
+        assert abs(suspect.slowdown - (slow[suspect.rank] - 1)) <= 0.05, suspect
+
+
+def test_two_tensor_parallel_peers_name_the_slower(tmp_path: Path) -> None:
+    """dp1 × tp2: each stage has just two peers; the slower of them is named."""
+    for seed in range(3):
+        report, _ = run(tmp_path, f"seed{seed}", dp=1, seed=seed, slow_ranks={3: 1.2})
+        assert abs(only(report, 3, "compute").slowdown - 0.2) <= 0.05
+
+
+def test_layer_spans_stand_in_for_missing_microbatch_spans(tmp_path: Path) -> None:
+    """A trace with ``compute.layer`` spans only (rewritten from the synthetic one) is compared layer part by
+    layer part; the slow rank is still named."""
+    generate_traces(tmp_path, slow_ranks={6: 1.3})
+    for path in list_rank_files(tmp_path).values():
+        out = []
+        for line in path.read_text().splitlines(keepends=True):
+            if '"cat":"compute"' in line:
+                event = json.loads(line.rstrip().rstrip(","))
+                direction = event["name"]
+                event["cat"] = "compute.layer"
+                event["name"] = f"layer 1 mlp {direction}"
+                event["args"] = {"step": event["args"]["step"], "layer": 1, "part": "mlp", "direction": direction}
+                line = json.dumps(event) + ",\n"
+            out.append(line)
+        path.write_text("".join(out))
+    report = detect(tmp_path)
+    suspect = only(report, 6, "compute")
+    assert abs(suspect.slowdown - 0.3) <= 0.05
+    assert suspect.evidence["slowest_layer_parts"][0]["op"] in ("forward layer 1 mlp", "backward layer 1 mlp")
+
+
+def test_ten_percent_slowdown_at_two_percent_jitter(tmp_path: Path) -> None:
+    """The stretch goal: +10% compute at the default 2% jitter, over several seeds and layouts."""
+    for seed in range(8):
+        layout = {"dp": 1} if seed % 2 else {}
+        report, _ = run(tmp_path, f"seed{seed}", seed=seed, slow_ranks={1: 1.1}, **layout)
+        assert abs(only(report, 1, "compute").slowdown - 0.1) <= 0.03, (seed, report.table())
+
+
+# ----------------------------------------------------------------------------------------------- links, data
+
+
+@pytest.mark.parametrize("link", [(0, 4), (1, 5), (6, 2)], ids=["forward-0-4", "forward-1-5", "backward-6-2"])
+@pytest.mark.parametrize("factor", [1.5, 3.0])
+def test_slow_link_is_named_as_a_pair(tmp_path: Path, link: tuple[int, int], factor: float) -> None:
+    report, _ = run(tmp_path, slow_links={link: factor})
+    suspect = only(report, link[0], "link")
+    assert suspect.peer == link[1]
+    assert suspect.evidence["direction"] == ("forward" if link[1] > link[0] else "backward")
+    assert abs(suspect.slowdown - (factor - 1)) <= 0.1 * factor, suspect
+
+
+def test_slow_data_loading(tmp_path: Path) -> None:
+    report, _ = run(tmp_path, slow_data={2: 3.0})
+    suspect = only(report, 2, "data")
+    assert abs(suspect.slowdown - 2.0) <= 0.25
+    assert suspect.evidence["late_ms"] > 0.2  # it made the rank late: 3 × 200 µs instead of 200 µs
+
+
+def test_data_wait_spent_waiting_for_peers_is_not_blamed(tmp_path: Path) -> None:
+    """A data-wait that starts early and ends with the peers' (the rank waited at a synchronisation point
+    between batches) is not slow loading: the same excess as in ``test_slow_data_loading`` is not reported."""
+    generate_traces(tmp_path, seed=3)
+    path = list_rank_files(tmp_path)[2]
+    out = []
+    for line in path.read_text().splitlines(keepends=True):
+        if '"cat":"data"' in line:
+            event = json.loads(line.rstrip().rstrip(","))
+            event["ts"] -= 400.0
+            event["dur"] += 400.0
+            line = json.dumps(event) + ",\n"
+        out.append(line)
+    path.write_text("".join(out))
+    assert detect(tmp_path).suspects == []
+
+
+def test_slow_rank_link_and_loader_at_once(tmp_path: Path) -> None:
+    report, _ = run(tmp_path, dp=4, slow_ranks={9: 1.3}, slow_links={(2, 10): 2.0}, slow_data={5: 3.0})
+    assert named(report) == {(9, "compute", None), (2, "link", 10), (5, "data", None)}, report.table()
+    impacts = [s.impact_ms for s in report.suspects]
+    assert impacts == sorted(impacts, reverse=True) and report.suspects[0].kind == "compute"
+
+
+# ----------------------------------------------------------------------------------------------- damaged input
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_truncated_and_missing_rank_files_still_work_with_warnings(tmp_path: Path, gzipped: bool) -> None:
+    generate_traces(tmp_path, steps=3, slow_ranks={6: 1.4}, truncate_ranks=(3,), missing_ranks=(5,), gzipped=gzipped)
+    with pytest.warns(UserWarning) as caught:
+        report = detect(tmp_path)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "rank(s) 5 of 8" in messages
+    assert ("truncated" if gzipped else "damaged") in messages
+    assert any("rank 3" in w for w in report.warnings)  # its last step is unfinished and left out
+    assert named(report) == {(6, "compute", None)}, report.table()
+    assert 5 not in report.per_rank and report.per_rank[3].steps < report.per_rank[0].steps
+    assert "warning:" in report.table()
+
+
+def test_no_rank_files_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no MegaScan rank files"):
+        detect(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+
+
+def test_report_round_trips_through_json_and_table(tmp_path: Path) -> None:
+    report, _ = run(tmp_path, slow_ranks={4: 1.3}, slow_links={(1, 5): 2.0})
+    again = DetectionReport.from_json(report.to_json())
+    assert again == report
+    assert DetectionReport.from_json(json.loads(report.to_json())) == report
+    table = report.table()
+    lines = table.splitlines()
+    assert lines[0].startswith("2 suspect(s) in 8 ranks, 2 steps")
+    assert lines[1].split()[:4] == ["rank", "dp", "pp", "tp"]
+    for suspect in report.suspects:
+        assert f"+{100 * suspect.slowdown:.1f}%" in table
+    assert "1->5" in table
+    assert "step ms" in report.table(per_rank=True)
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+    import argparse
+
+    generate_traces(tmp_path / "trace", slow_ranks={2: 1.5})
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "out" / "report.json"
+    args = parser.parse_args(["detect", str(tmp_path / "trace"), "--json", str(out), "--min-slowdown", "0.1"])
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert args.func(args) == 0  # a report, not a check: 0 with suspects too
+    text = stdout.getvalue()
+    assert "compute" in text and text.splitlines()[2].split()[0] == "2"
+    saved = DetectionReport.from_json(out.read_text())
+    assert [(s.rank, s.kind) for s in saved.suspects] == [(2, "compute")]
+    assert saved.params["min_slowdown"] == 0.1
+
+    # through the real entry point, on a clean run
+    from lightning_megatron.scan.cli import main
+
+    generate_traces(tmp_path / "clean")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(["detect", str(tmp_path / "clean")]) == 0
+    assert stdout.getvalue().startswith("nothing abnormal")
+    with contextlib.redirect_stdout(io.StringIO()) as missing:
+        assert main(["detect", str(tmp_path / "out")]) == 2
+    assert "no MegaScan rank files" in missing.getvalue()
+
+
+def test_log_to_logs_step_times_and_suspects(tmp_path: Path) -> None:
+    class Logger:
+        def __init__(self) -> None:
+            self.calls: list[tuple[dict[str, float], int]] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            self.calls.append((metrics, step))
+
+    report, _ = run(tmp_path, slow_ranks={3: 1.5}, slow_links={(0, 4): 2.0})
+    logger = Logger()
+    metrics = log_to(logger, report, step=42)
+    assert logger.calls == [(metrics, 42)]
+    assert metrics["megascan/suspects"] == 2.0
+    assert metrics["megascan/rank3_step_ms"] == report.per_rank[3].step_ms
+    assert metrics["megascan/rank3_compute_ms"] > metrics["megascan/rank2_compute_ms"]
+    assert metrics["megascan/rank3_compute_slowdown"] == pytest.approx(0.5, abs=0.05)
+    assert metrics["megascan/rank0_link_slowdown_to4"] == pytest.approx(1.0, abs=0.2)
+    assert metrics["megascan/max_slowdown"] == max(s.slowdown for s in report.suspects)
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+
+
+def test_robust_statistics() -> None:
+    assert lower_half_median([5.0, 1.0, 9.0, 2.0]) == 1.5
+    assert lower_half_median([3.0, 1.0]) == 1.0
+    assert lower_half_median([4.0, 1.0, 2.0]) == 1.5
+    assert lower_half_median([7.0]) == 7.0
+    assert mad_sigma([1.0, 2.0, 3.0, 4.0, 100.0]) == pytest.approx(1.4826)  # the outlier does not count
+    assert mad_sigma([3.0]) == 0.0
+    rng = random.Random(0)
+    for n in (2, 4, 7):  # the bias correction matches the simulated lower-half median of n normal samples
+        simulated = statistics.fmean(lower_half_median([rng.gauss(0, 1) for _ in range(n)]) for _ in range(20_000))
+        assert lower_half_bias(n) == pytest.approx(-simulated, abs=0.04)  # Blom: within 0.03 of exact
+    assert lower_half_bias(1) == 0.0
+
+
+def test_module_boundaries() -> None:
+    """``detect`` imports only ``format`` within ``scan`` (the callback imports it, not the other way)."""
+    source = Path(detect_module.__file__).read_text()
+    imports = {
+        line.split()[1]
+        for line in source.splitlines()
+        if line.startswith(("from lightning_megatron", "import lightning_megatron"))
+    }
+    assert imports == {"lightning_megatron.scan.format"}
+    assert set(detect_module.__all__) >= {"detect", "DetectionReport", "Suspect", "register_cli", "log_to"}
+
+
+def test_gzip_trace_is_read(tmp_path: Path) -> None:
+    report, _ = run(tmp_path, gzipped=True, slow_ranks={7: 1.3})
+    only(report, 7, "compute")
+    path = next(iter(list_rank_files(tmp_path / "trace").values()))
+    with gzip.open(path, "rt") as stream:
+        assert stream.readline().strip() == "["
