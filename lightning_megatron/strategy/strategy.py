@@ -404,12 +404,12 @@ class MegatronAppStrategy(ParallelStrategy):
                 on_cpu=on_cpu, pipeline=self.layout.pipeline, virtual_pipeline=self.layout.virtual_pipeline
             )
             config.deallocate_pipeline_outputs = self.deallocate_pipeline_outputs
-            config.timers = TimersDispatcher(self._step_listeners) if self._step_listeners else None
             if ddp:
                 config.no_sync_func = per_chunk("no_sync")
                 config.finalize_model_grads_func = finalize_model_grads
                 if self._ddp_kwargs["overlap_grad_reduce"]:
                     config.grad_sync_func = per_chunk("start_grad_sync")
+        self._sync_timers()
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
