@@ -16,12 +16,14 @@ Every measurement runs inside one ``torchrun`` launch per GPU count; results are
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +34,14 @@ from provenance import provenance  # noqa: E402  (benchmarks/ is the script's di
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-GPU_MODEL = dict(vocab_size=32000, seq_length=1024, num_layers=8, hidden_size=1024, num_attention_heads=16)
+# "small" is launch-bound on an H200 (a 4 ms forward is about as long as the host takes to enqueue it): the
+# worst case for the tracer's per-span cost, and a regime where a slower GPU barely slows the step. "medium"
+# keeps the GPU busy, as training at scale does.
+GPU_MODELS = {
+    "small": dict(vocab_size=32000, seq_length=1024, num_layers=8, hidden_size=1024, num_attention_heads=16),
+    "medium": dict(vocab_size=32000, seq_length=2048, num_layers=16, hidden_size=2048, num_attention_heads=16),
+}
+MICRO_BATCH = {"small": 4, "medium": 2}
 CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, num_attention_heads=4)
 FACTORS = [1.1, 1.2, 1.5]
 
@@ -82,6 +91,12 @@ def _fit(spec: dict[str, Any], callbacks: list, steps: int) -> list[float]:
         num_train_samples=gbs * steps,
     )
     trainer.fit(module, data)
+    # Trainer, strategy and module reference each other: without a full collection their GPU memory lives on
+    # until Python's oldest generation is next collected, and forty fits in one process run out of memory.
+    del trainer, module, data
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return times
 
 
@@ -128,6 +143,7 @@ def _worker(spec: dict[str, Any]) -> None:
                         "found": factor > 1.0 and named.get(slow) == "compute",
                         "false_alarms": sorted(r for r in named if factor == 1.0 or r != slow),
                         "estimated_slowdown": next((s.slowdown for s in report.suspects if s.rank == slow), None),
+                        "report": report.to_dict(),
                     }
                 )
         out = {"runs": runs}
@@ -141,7 +157,13 @@ def _launch(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not Path(spec["result"]).exists():
-        return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+        log = proc.stdout + proc.stderr
+        first = log.find("Traceback (most recent call last)")  # the failing rank's, before the launcher's noise
+        return {
+            "error": f"exit {proc.returncode}",
+            "first_traceback": log[first : first + 4000],
+            "log_tail": log[-3000:],
+        }
     return {**json.loads(Path(spec["result"]).read_text()), "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -170,7 +192,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10, help="detection runs per slowdown and clean")
     parser.add_argument("--pairs", type=int, default=3, help="overhead: alternations of plain and traced fits")
     parser.add_argument("--only", nargs="*", default=["overhead", "detection"])
+    parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium", help="GPU model size")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU processes (gloo)")
+    parser.add_argument("--keep-traces", type=Path, help="also write the detection runs' traces here (.tar.gz)")
     args = parser.parse_args()
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))
@@ -181,8 +205,9 @@ def main() -> int:
     gpus = 4 if args.cpu_dry_run else torch.cuda.device_count()
     base = {
         "accelerator": "cpu" if args.cpu_dry_run else "gpu",
-        "model": CPU_MODEL if args.cpu_dry_run else GPU_MODEL,
-        "micro_batch_size": 2 if args.cpu_dry_run else 4,
+        "model": CPU_MODEL if args.cpu_dry_run else GPU_MODELS[args.model],
+        "model_name": "cpu-tiny" if args.cpu_dry_run else args.model,
+        "micro_batch_size": 2 if args.cpu_dry_run else MICRO_BATCH[args.model],
     }
     report: dict[str, Any] = {"what": "MegaScan overhead and slow-rank detection", **provenance(), **base}
     report["results"] = {}
@@ -229,6 +254,10 @@ def main() -> int:
                 result["scores"] = _score(result["runs"])
             report["results"]["detection/4gpu"] = result
             save()
+            if args.keep_traces:
+                with tarfile.open(args.keep_traces, "w:gz") as tar:
+                    for run in sorted(Path(workdir).glob("detect-*")):
+                        tar.add(run, arcname=run.name)
             print(f"detection: {result.get('scores', result.get('error'))}", flush=True)
     failed = any("error" in r for r in report["results"].values())
     return 1 if failed else 0

@@ -65,7 +65,8 @@ class _Scan:
     sends: dict[P2PKey, Endpoint] = field(default_factory=dict)
     recvs: dict[P2PKey, Endpoint] = field(default_factory=dict)
     collectives: dict[tuple[tuple[int, ...], int], list[Endpoint]] = field(default_factory=lambda: defaultdict(list))
-    synchronous: set[tuple[tuple[int, ...], int]] = field(default_factory=set)
+    # instances whose members cannot be assumed to leave together (see _ends_together)
+    unaligned: set[tuple[tuple[int, ...], int]] = field(default_factory=set)
     anchor: Optional[int] = None  # the rank whose step starts become the global iteration markers
     step_starts: dict[int, float] = field(default_factory=dict)  # step → anchor-local ts
     events: int = 0
@@ -146,8 +147,8 @@ def _scan_event(scan: _Scan, rank: int, event: dict[str, Any]) -> None:
     elif cat == "collective" and "group" in args and "seq" in args:
         key = (tuple(args["group"]), int(args["seq"]))
         scan.collectives[key].append((rank, float(event["ts"]), float(event.get("dur", 0.0)), event.get("tid")))
-        if not args.get("async"):
-            scan.synchronous.add(key)
+        if not _ends_together(event):
+            scan.unaligned.add(key)
     elif cat == "step" and "step" in args:
         if scan.anchor is None:
             scan.anchor = rank  # ranks are scanned in order: the lowest rank with steps
@@ -188,11 +189,28 @@ def _clock_offsets(scan: _Scan) -> tuple[dict[int, float], dict[int, float], lis
     return offsets, uncertainty, no_clock
 
 
+ROOTED_COLLECTIVES = frozenset({"broadcast", "reduce", "scatter", "gather"})
+MAX_PLAUSIBLE_BYTES_PER_US = 5e6  # 5 TB/s: faster than any interconnect, so the span cannot hold the transfer
+
+
+def _ends_together(event: dict[str, Any]) -> bool:
+    """Whether this member's span of a collective ends when the collective does, for every member alike.
+
+    Not so for an async op (its span ends at the launch), a rooted one (a broadcast's root may finish as soon
+    as its data is on the wire, before the receivers arrive) and a span too short for its bytes: inside
+    ``_coalescing_manager`` (megatron-core's bucketed gradient reduction) a call only queues the op, which is
+    launched when the manager exits, so the span holds the queuing and not the transfer."""
+    args = event.get("args") or {}
+    if args.get("async") or event.get("name") in ROOTED_COLLECTIVES:
+        return False
+    return float(args.get("bytes") or 0) <= MAX_PLAUSIBLE_BYTES_PER_US * max(float(event.get("dur", 0.0)), 1e-3)
+
+
 def _instances(scan: _Scan) -> dict[tuple[int, ...], list[list[tuple[int, float]]]]:
     """Group → [(rank, local end) of each member] of every synchronous collective instance with ≥ 2 members seen."""
     out: dict[tuple[int, ...], list[list[tuple[int, float]]]] = defaultdict(list)
     for (group, _seq), members in scan.collectives.items():
-        if (group, _seq) in scan.synchronous and len(members) >= 2:
+        if (group, _seq) not in scan.unaligned and len(members) >= 2:
             out[group].append([(rank, ts + dur) for rank, ts, dur, _ in members])
     return out
 

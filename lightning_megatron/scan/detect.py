@@ -546,7 +546,7 @@ def detect(
     *,
     min_slowdown: float = 0.08,
     min_z: float = 3.5,
-    min_impact: float = 0.001,
+    min_impact: float = 0.005,
     skip_steps: int = 0,
 ) -> DetectionReport:
     """Rank the ranks (and links) of a MegaScan trace directory that are slower than their peers.
@@ -1071,7 +1071,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="also write the report as JSON")
     parser.add_argument("--min-slowdown", type=float, default=0.08, help="smallest reported excess (fraction)")
     parser.add_argument("--min-z", type=float, default=3.5, help="standard errors above the baseline (log ratio)")
-    parser.add_argument("--min-impact", type=float, default=0.001, help="smallest cost per step (fraction of a step)")
+    parser.add_argument("--min-impact", type=float, default=0.005, help="smallest cost per step (fraction of a step)")
     parser.add_argument("--skip-steps", type=int, default=0, help="leave out the first N steps (warm-up)")
     parser.add_argument("--per-rank", action="store_true", help="also print the per-rank medians")
     parser.set_defaults(func=_run_cli)
