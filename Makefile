@@ -11,6 +11,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The native transport extension is built by the package install: a changed C++ file reinstalls (rebuilds) it.
+NATIVE := setup.py native/lmt_build.py $(wildcard native/src/*.cpp native/src/*.h)
 
 KJV := runs/data/kjv
 
@@ -18,7 +20,7 @@ KJV := runs/data/kjv
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
@@ -42,4 +44,4 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info lightning_megatron/transport/_native*.so

@@ -8,6 +8,11 @@ gets its tracebacks and the tail of each rank's log attached to the error, and t
 by a fresh one (new processes, new port) before the next case, so one dead rank cannot hang the suite
 or poison later cases.
 
+Two options serve cases that need more than a plain group: ``WorkerGroup(..., rank_setup=fn)`` runs ``fn(rank)``
+in each forked rank before it reads its first case (to enter a network namespace, say) and applies the
+environment variables it returns; ``run(..., may_die={r})`` lets rank ``r`` die during the case (a peer-death
+test), returns ``None`` for it, and retires the group afterwards.
+
 Ranks see the environment Lightning's external launchers (torchrun, SLURM) provide, so a
 ``Trainer(devices=world_size)`` inside a case joins the group like a torchrun-launched job.
 """
@@ -24,7 +29,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,7 +56,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, log_path: str) -> None:
+def _serve(
+    rank: int,
+    world_size: int,
+    port: int,
+    tasks: Any,
+    results: Any,
+    log_path: str,
+    rank_setup: Optional[Callable[[int], Optional[dict[str, str]]]] = None,
+) -> None:
     _die_with_parent()
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
@@ -65,6 +78,8 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, log_
         NODE_RANK="0",
         CUDA_VISIBLE_DEVICES="",
     )
+    if rank_setup is not None:
+        os.environ.update(rank_setup(rank) or {})
     import torch
 
     torch.set_num_threads(1)
@@ -85,7 +100,12 @@ class WorkerGroup:
 
     _case_ids = itertools.count(1)
 
-    def __init__(self, world_size: int, log_dir: Optional[Path] = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        log_dir: Optional[Path] = None,
+        rank_setup: Optional[Callable[[int], Optional[dict[str, str]]]] = None,
+    ) -> None:
         self.world_size = world_size
         self.port = free_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"lm-ranks{world_size}-"))
@@ -96,7 +116,7 @@ class WorkerGroup:
         self._procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, world_size, self.port, self._tasks[r], self._results, str(self.log_path(r))),
+                args=(r, world_size, self.port, self._tasks[r], self._results, str(self.log_path(r)), rank_setup),
                 # Not daemonic: megatron-core's checkpoint writer forks helper processes.
                 name=f"rank{r}",
             )
@@ -119,8 +139,18 @@ class WorkerGroup:
             return ""
         return text[-limit:]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 120.0,
+        may_die: Collection[int] = (),
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        Ranks in ``may_die`` may exit during the case (their result is ``None``); if any did, the group is shut
+        down afterwards (its survivors share a process group with a dead rank)."""
         if self.broken:
             raise RuntimeError("this worker group was shut down after a failed case")
         case_id = next(self._case_ids)
@@ -129,10 +159,12 @@ class WorkerGroup:
             tasks.put((case_id, fn, args, kwargs))
         outcomes: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
-        while len(outcomes) < self.world_size:
+        died: set[int] = set()
+        while len(outcomes) + len(died) < self.world_size:
             remaining = deadline - time.monotonic()
-            dead = [p.name for p in self._procs if not p.is_alive()]
-            if remaining <= 0 or dead:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcomes]
+            died.update(r for r in dead if r in may_die)
+            if remaining <= 0 or set(dead) - set(may_die):
                 break
             if any(not ok for ok, _ in outcomes.values()):
                 # Peers of a failed rank may block in a collective: give them a moment, then stop.
@@ -144,8 +176,11 @@ class WorkerGroup:
                 continue
             if cid == case_id:
                 outcomes[rank] = (ok, payload)
-        if len(outcomes) == self.world_size and all(ok for ok, _ in outcomes.values()):
-            return [outcomes[r][1] for r in range(self.world_size)]
+        if len(outcomes) + len(died) == self.world_size and all(ok for ok, _ in outcomes.values()):
+            results = [outcomes[r][1] if r in outcomes else None for r in range(self.world_size)]
+            if died:
+                self.shutdown(kill=True)
+            return results
         self.shutdown(kill=True)
         report = []
         for r in range(self.world_size):

@@ -12,8 +12,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mark_optimizer_stepped"]
+__all__ = ["default_store", "mark_optimizer_stepped"]
 
 
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def default_store() -> torch.distributed.Store:
+    """The rendezvous store of torch.distributed's default group.
+
+    Transports exchange connection data (segment names, addresses) through the job's own store, so they need
+    no ports or names of their own. torch exposes the store only through a private accessor."""
+    from torch.distributed import distributed_c10d
+
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: there is no rendezvous store to use.")
+    return distributed_c10d._get_default_store()
