@@ -26,6 +26,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -69,6 +70,10 @@ def _serve(
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # pytest's capture replaces sys.stdout/err with objects writing to its own files: point Python's streams at
+    # the log too, or a failed case's log tail comes back empty and its output lands in some test's capture.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

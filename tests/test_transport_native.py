@@ -358,8 +358,14 @@ def _fork_leaves_parent_alone(name: str) -> list[Any]:
 
 
 @pytest.mark.parametrize("name", ["shm", "tcp"])
-def test_fork_child_leaves_the_parents_transport_alone(ranks: Any, name: str) -> None:
-    assert ranks.run(2, _fork_leaves_parent_alone, name) == [[0, [1, 1, 1]], [0, [0, 0, 0]]]
+def test_fork_child_leaves_the_parents_transport_alone(name: str) -> None:
+    # Fresh ranks: the child collects garbage. Forked from ranks that had run the whole suite's earlier cases it
+    # died with SIGSEGV in CI while collecting their leftovers (it passes on ranks that ran only transport cases).
+    group = WorkerGroup(2)
+    try:
+        assert group.run(_fork_leaves_parent_alone, name) == [[0, [1, 1, 1]], [0, [0, 0, 0]]]
+    finally:
+        group.shutdown()
 
 
 def test_rdma_without_device_says_so() -> None:
