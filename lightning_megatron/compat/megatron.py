@@ -11,6 +11,7 @@ import torch
 
 __all__ = [
     "batched_p2p_is_safe",
+    "initialize_model_parallel",
     "finish_distributed_optimizer_load",
     "prepare_distributed_optimizer_load",
     "use_in_process_checkpoint_results",
@@ -99,3 +100,29 @@ def finish_distributed_optimizer_load(megatron_optimizer: object) -> None:
         for state in part.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+_MODEL_PARALLEL_GROUPS: list = []  # the process groups our last initialize_model_parallel created
+
+
+def initialize_model_parallel(**kwargs) -> None:
+    """megatron-core's ``initialize_model_parallel``, destroying the groups of the previous call first.
+
+    ``parallel_state.destroy_model_parallel`` only forgets its process groups; torch.distributed keeps them
+    registered, with their threads and sockets (gloo: a listening socket and a loop thread per group, and megatron
+    creates dozens per call). A process that trains at several layouts (a sweep, a test suite) piled up thousands
+    of threads, some of them busy, until the machine crawled. Groups are told apart from the user's by taking
+    the registry before and after the call (torch has no public list of groups).
+    """
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    for group in _MODEL_PARALLEL_GROUPS:
+        if group in distributed_c10d._world.pg_map:
+            torch.distributed.destroy_process_group(group)
+    _MODEL_PARALLEL_GROUPS.clear()
+    before = set(distributed_c10d._world.pg_map)
+    parallel_state.initialize_model_parallel(**kwargs)
+    _MODEL_PARALLEL_GROUPS.extend(g for g in distributed_c10d._world.pg_map if g not in before)

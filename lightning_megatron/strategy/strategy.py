@@ -37,7 +37,7 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from lightning_megatron.compat.lightning import ScriptLauncher
-from lightning_megatron.compat.megatron import batched_p2p_is_safe
+from lightning_megatron.compat.megatron import batched_p2p_is_safe, initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO
@@ -286,8 +286,7 @@ class MegatronAppStrategy(ParallelStrategy):
             )
             if same:
                 return  # a later fit/validate in the same process: the model holds these groups
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
+        initialize_model_parallel(
             tensor_model_parallel_size=self.layout.tensor,
             pipeline_model_parallel_size=self.layout.pipeline,
             virtual_pipeline_model_parallel_size=self.layout.virtual_pipeline,
