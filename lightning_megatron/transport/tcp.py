@@ -1,8 +1,8 @@
 """``tcp``: ranks on any hosts, over TCP connections (one per pair of ranks).
 
 Each transport listens on port 0 of the address peers can reach -- ``ifaddr``, else ``LM_TRANSPORT_IFADDR``,
-else the local address of the route to ``MASTER_ADDR`` (127.0.0.1 when that is this host or unset), never
-0.0.0.0 -- and publishes ``address:port`` and a random 32-byte token through the rendezvous store. The lower
+else the local address of the route to ``MASTER_ADDR`` (127.0.0.1 when that is this host or unset), never the
+unspecified (all-interfaces) address -- and publishes ``address:port`` and a random 32-byte token through the rendezvous store. The lower
 rank of a pair connects and presents the token; connections without it are dropped.
 """
 
