@@ -6,6 +6,7 @@
     lightning-megatron preprocess --input corpus.jsonl.gz --output-prefix data/corpus --tokenizer DIR_OR_FILE
     lightning-megatron sample runs/gpt-tiny-cpu/checkpoints/last.ckpt --prompt "And God said"
     lightning-megatron scan aggregate runs/trace -o merged.json.gz    (see lightning_megatron.scan)
+    lightning-megatron scope serve runs/gpt-tiny-cpu/checkpoints/last.ckpt (see lightning_megatron.scope)
 
 Models and data modules are given by class (``model: {class_path: ..., init_args: ...}``; the short
 names ``GPTModule`` / ``SyntheticTokenDataModule`` work), the strategy by class or by its registered
@@ -49,6 +50,10 @@ def main(args: Optional[list[str]] = None) -> None:
         from lightning_megatron.scan.cli import main as scan
 
         sys.exit(scan(argv[1:]))
+    if argv and argv[0] == "scope":  # MegaScope: serve a model to the web UI, perturbation sweeps
+        from lightning_megatron.scope.cli import main as scope
+
+        sys.exit(scope(argv[1:]))
     if argv and argv[0] == "sample":
         from lightning_megatron.models.sampling import main as sample
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import importlib
 import io
 import json
 import random
@@ -331,14 +332,23 @@ def test_robust_statistics() -> None:
 
 
 def test_module_boundaries() -> None:
-    """``detect`` imports only ``format`` within ``scan`` (the callback imports it, not the other way)."""
-    source = Path(detect_module.__file__).read_text()
-    imports = {
-        line.split()[1]
-        for line in source.splitlines()
-        if line.startswith(("from lightning_megatron", "import lightning_megatron"))
+    """Detection imports only ``format`` within ``scan`` (the callback imports it, not the other way): the rules
+    (``detect``) use measuring, comparing and reporting; measuring reads ``format`` and fills ``report``'s
+    per-rank summaries; comparing and reporting import nothing."""
+    expected = {
+        "detect": {"compare", "measure", "report"},
+        "measure": {"format", "report"},
+        "compare": set(),
+        "report": set(),
     }
-    assert imports == {"lightning_megatron.scan.format"}
+    for name, allowed in expected.items():
+        source = Path(importlib.import_module(f"lightning_megatron.scan.{name}").__file__).read_text()
+        imports = {
+            line.split()[1]
+            for line in source.splitlines()
+            if line.startswith(("from lightning_megatron", "import lightning_megatron"))
+        }
+        assert imports == {f"lightning_megatron.scan.{module}" for module in allowed}, name
     assert set(detect_module.__all__) >= {"detect", "DetectionReport", "Suspect", "register_cli", "log_to"}
 
 

@@ -16,6 +16,9 @@ Layouts that differ between the two worlds:
 * GPT-2 stores its linear layers as ``Conv1D`` (``[in, out]``, transposed).
 * ``GPTModule`` pads the vocabulary to ``make_vocab_size_divisible_by``: padding rows are zeros on import
   and stripped on export.
+
+Dependencies run one way: this module uses ``models.sharding`` and never imports ``models.gpt``, whose
+``GPTModule(hf_checkpoint=...)`` calls ``load_hf_weights_``.
 """
 
 from __future__ import annotations
@@ -421,8 +424,8 @@ def export_hf(
     """Write a ``GPTModule`` (or its model chunks) as a Hugging Face checkpoint; call on every rank.
 
     Global rank 0 gathers the full model in CPU memory and writes ``model.safetensors`` and ``config.json``
-    to ``out_dir``. ``gpt_kwargs`` defaults to the module's hparams (required when passing chunks); the
-    config starts from ``base_config``, else from the ``config.json`` of the module's ``hf_checkpoint``,
+    to ``out_dir``. ``gpt_kwargs`` defaults to the module's hparams (when passing chunks, pass the module's
+    full hyperparameters, ``dict(module.hparams)``: a missing one is an error on every rank); the config starts from ``base_config``, else from the ``config.json`` of the module's ``hf_checkpoint``,
     so fields the conversion does not own (token ids, ...) survive a round trip. ``dtype`` casts the
     weights (default: as stored in the model).
     """
@@ -431,13 +434,18 @@ def export_hf(
     hp = dict(gpt_kwargs if gpt_kwargs is not None else getattr(module_or_chunks, "hparams", {}))
     if not hp:
         raise ValueError("export_hf needs a GPTModule, or its chunks and gpt_kwargs.")
-    hp = {**_init_defaults(), **hp}
     if base_config is None and hp.get("hf_checkpoint"):
         base_config = read_hf_config(hp["hf_checkpoint"])
+    try:  # before any communication, so a bad gpt_kwargs fails on every rank
+        rules = _rules(hp)
+        config = gpt_kwargs_to_hf_config(hp, base_config)
+    except KeyError as missing:
+        raise ValueError(
+            f"export_hf: gpt_kwargs has no {missing}; pass the module's full hyperparameters (dict(module.hparams))."
+        ) from None
     global_tensors = _gather_global(_chunk_list(module_or_chunks))
     if global_tensors is None:
         return
-    rules = _rules(hp)
     out: _Tensors = {}
     tied = hp["share_embeddings_and_output_weights"]
     for (key, layer), full in global_tensors.items():
@@ -453,18 +461,4 @@ def export_hf(
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     save_file(out, str(out_path / "model.safetensors"), metadata={"format": "pt"})
-    config = gpt_kwargs_to_hf_config(hp, base_config)
     (out_path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _init_defaults() -> dict[str, Any]:
-    """``GPTModule.__init__``'s keyword defaults (so partial ``gpt_kwargs`` work)."""
-    import inspect
-
-    from lightning_megatron.models.gpt import GPTModule
-
-    return {
-        name: p.default
-        for name, p in inspect.signature(GPTModule.__init__).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }

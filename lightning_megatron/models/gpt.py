@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.models.generation import Generation, Prompts, generate
 from lightning_megatron.models.init import init_split_invariant_
 from lightning_megatron.models.module import MegatronLightningModule
 from lightning_megatron.models.specs import LayerSpecName, gpt_block_spec
@@ -29,6 +30,14 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": gelu_tanh, "swiglu": F.silu}
+
+
+def _load_hf_checkpoint(chunks: torch.nn.ModuleList, hf_dir: str) -> None:
+    """``convert.hf.load_hf_weights_``. Imported here, not at the top: ``convert.hf`` imports ``models.sharding``,
+    which runs this package's ``__init__`` (and so this module) first. ``convert.hf`` never imports this module."""
+    from lightning_megatron.convert.hf import load_hf_weights_
+
+    load_hf_weights_(chunks, hf_dir)
 
 
 def fused_kernel_fields(activation: str, add_bias_linear: bool) -> dict[str, Any]:
@@ -188,9 +197,7 @@ class GPTModule(MegatronLightningModule):
             return
         super().configure_model()
         if self.hparams.hf_checkpoint is not None:
-            from lightning_megatron.convert.hf import load_hf_weights_
-
-            load_hf_weights_(self.model_chunks, self.hparams.hf_checkpoint)
+            _load_hf_checkpoint(self.model_chunks, self.hparams.hf_checkpoint)
         elif self.hparams.split_invariant_init:
             init_split_invariant_(
                 self.model_chunks,
@@ -237,54 +244,21 @@ class GPTModule(MegatronLightningModule):
 
         return loss_fn
 
-    @torch.no_grad()
-    def generate(
-        self,
-        tokens: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: Optional[int] = 50,
-        seed: int = 0,
-    ) -> torch.Tensor:
-        """Continue ``tokens`` (``[batch, seq]`` ids) by sampling ``max_new_tokens`` tokens.
+    def generate(self, prompts: Prompts, max_new_tokens: int, **options: Any) -> Generation:
+        """Continue ``prompts`` (a ``[batch, seq]`` tensor or lists of token ids of any lengths) by up to
+        ``max_new_tokens`` tokens each, at any parallel layout; call on every rank with the same arguments.
 
-        For models without pipeline parallelism (load a checkpoint at ``pipeline_model_parallel_size=1``
-        to sample from any trained layout). Under tensor parallelism every tensor-parallel rank calls this
-        with the same inputs and seed and draws the same tokens. ``temperature=0`` is greedy decoding. The
-        whole context is recomputed for every new token (no key/value cache): meant for looking at
-        samples, not for serving.
+        ``options`` are ``models.generation.generate``'s: ``temperature`` (0: greedy), ``top_k``, ``top_p``,
+        ``seed``, ``eos_id``, ``on_token`` (a per-position callback that may stop generation), ``kv_cache``.
         """
-        layout = self.parallel.layout
-        if layout.pipeline > 1 or layout.sequence_parallel:
-            raise MegatronConfigError(
-                "generate() runs the model on one pipeline stage without sequence parallelism; load the checkpoint "
-                "with pipeline_model_parallel_size=1 and sequence_parallel=False (checkpoints load at any layout)."
-            )
-        chunk = self.model_chunks[0]
-        was_training = chunk.training
-        chunk.eval()
-        generator = torch.Generator(device=tokens.device).manual_seed(seed)
-        out = tokens
-        try:
-            for _ in range(max_new_tokens):
-                context = out[:, -self.hparams.seq_length :]
-                positions = torch.arange(context.shape[1], device=context.device).expand_as(context)
-                logits = chunk(input_ids=context, position_ids=positions, attention_mask=None)
-                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-                logits = logits[:, -1, : self.hparams.vocab_size].float()
-                if temperature == 0:
-                    next_token = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k:
-                        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-                out = torch.cat([out, next_token], dim=1)
-        finally:
-            chunk.train(was_training)
-        return out
+        return generate(
+            self.model_chunks,
+            prompts,
+            max_new_tokens,
+            vocab_size=self.hparams.vocab_size,
+            max_sequence_length=self.hparams.seq_length,
+            **options,
+        )
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

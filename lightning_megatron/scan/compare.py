@@ -1,0 +1,249 @@
+"""Robust comparison of one member of a peer group with the others: levels, healthy baseline, noise, superiority.
+
+The contract: given, per member (a rank, or a link), samples per op (the same work measured on every member),
+say how much slower each member is than the group's healthy level and how sure that is. Pure statistics on
+numbers: nothing here knows traces, ranks or thresholds (``scan.measure`` produces the samples, ``scan.detect``
+decides which comparisons name a suspect).
+
+* a member's **level** for one op is the median of its samples (``levels_of``): one-off hiccups (a page fault,
+  a preempted thread, the warm-up step) do not move it;
+* the healthy level of a group is the **lower-half median** (the median of the ``ceil(n / 2)`` fastest members'
+  levels): unlike the plain median it stays at the healthy level while up to half of the group is slow (2 of 4
+  data-parallel peers, or the slower of 2 tensor-parallel peers), and unlike the minimum it is not dragged down
+  by a single lucky fast member when there are 3 or more. Picking the faster half of noisy levels biases it low
+  by about 0.6 standard errors, which is added back (``lower_half_bias``) so that healthy members do not all
+  look a little slow;
+* noise is the **MAD** (median absolute deviation, × 1.4826 = a standard deviation for normal noise) of samples
+  around their own median, relative to it, corrected for small samples; the caller pools it over a group and
+  over all groups of the same kind (``pooled_sigma``: a floor, one group's few samples can make the estimate
+  erratically small), and a member's own MAD counts where it has at least 6 samples and is noisier. The
+  standard error of a median of n samples is ``1.2533 * sigma / sqrt(n)``; that of the baseline is included;
+* ``Comparison.z`` is the log ratio to the baseline in standard errors (timing noise is multiplicative), and
+  ``Comparison.superiority`` the probability that a sample of the member is slower than one of a healthy peer
+  (a rank statistic, which heavy-tailed or two-mode noise cannot push the way it can push a median).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = [
+    "Comparison",
+    "Level",
+    "compare_with_peers",
+    "levels_of",
+    "lower_half_bias",
+    "lower_half_median",
+    "mad_sigma",
+    "pooled_sigma",
+    "probability_of_superiority",
+]
+
+_MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+_MEDIAN_SE = 1.2533  # standard error of a median of n normal samples: 1.2533 * sigma / sqrt(n)
+_SIGMA_FLOOR = 0.003  # relative noise floor: timer resolution, and MAD = 0 from identical samples
+_OWN_NOISE_MIN_SAMPLES = 6  # below this a series' own MAD is too erratic; the group's pooled noise stands in
+
+
+def mad_sigma(values: Sequence[float]) -> float:
+    """Robust standard deviation: 1.4826 × the median absolute deviation (0 for fewer than 2 values).
+
+    Unlike the sample standard deviation it ignores a minority of outliers (a slow microbatch, a warm-up step)."""
+    if len(values) < 2:
+        return 0.0
+    center = statistics.median(values)
+    return _MAD_TO_SIGMA * statistics.median(abs(v - center) for v in values)
+
+
+def lower_half_median(values: Sequence[float]) -> float:
+    """The median of the ``ceil(n / 2)`` smallest values: the "healthy" level of a group of peers.
+
+    Slowness only ever adds time, so the healthy peers are the fast ones; taking the median of the faster half
+    keeps the baseline at the healthy level while up to half of the group is slow (the plain median moves as
+    soon as half the group is slow), and for 3 or more peers a single unusually fast rank cannot pull it down
+    the way it pulls down the minimum. For 2 peers it is the faster one."""
+    if not values:
+        raise ValueError("lower_half_median of no values")
+    ordered = sorted(values)
+    return statistics.median(ordered[: (len(ordered) + 1) // 2])
+
+
+def lower_half_bias(n: int, healthy: Optional[int] = None) -> float:
+    """How far (in standard deviations) the lower-half median of ``n`` levels falls below the healthy level, when
+    ``healthy`` of them (default: all) are noisy copies of it and the others are clearly slower.
+
+    Taking the faster half of noisy peers biases the baseline low, which would make every healthy rank look a
+    little slow (about 0.6 standard errors for a clean group); adding this back removes that. The bias comes
+    from *selecting* among equals: when only ``ceil(n / 2)`` ranks are healthy (the slower of 2 peers, 2 slow of
+    4), the lower half is all of them and unbiased. Expected normal order statistics by Blom's approximation
+    ``Φ⁻¹((i - 0.375) / (h + 0.25))`` (within 0.03 of the exact values); 0 for a single value."""
+    half = (n + 1) // 2
+    h = n if healthy is None else max(min(healthy, n), half)
+    if h < 2:
+        return 0.0
+    normal = statistics.NormalDist()
+
+    def order(i: int) -> float:  # expected i-th smallest of h (1-based)
+        return normal.inv_cdf((i - 0.375) / (h + 0.25))
+
+    middle = order((half + 1) // 2) if half % 2 else (order(half // 2) + order(half // 2 + 1)) / 2
+    return -middle
+
+
+def _small_sample(n: int) -> float:
+    """Correction of a MAD taken around the sample's own median: with few samples the median sits among them
+    and the deviations come out small (for 8 normal samples the scaled MAD averages 0.89 σ, for 4 0.74 σ);
+    ``n / (n - 1)`` (1.2 for 2) undoes most of it. Underestimated noise would turn noise into alarms."""
+    return 1.2 if n == 2 else n / (n - 1) if n > 2 else 1.0
+
+
+def _median_se(values: Sequence[float], center: float, sigma_floor: float) -> float:
+    """Standard error of the median of ``values`` (absolute units) from their relative noise: their own MAD
+    when there are enough of them, never less than the group's pooled relative noise ``sigma_floor``."""
+    sigma = sigma_floor
+    if len(values) >= _OWN_NOISE_MIN_SAMPLES and center > 0:
+        sigma = max(mad_sigma([v / center - 1.0 for v in values]) * _small_sample(len(values)), sigma_floor)
+    return _MEDIAN_SE * sigma * abs(center) / math.sqrt(max(len(values), 1))
+
+
+@dataclass
+class Level:
+    """A rank's (or link's) median for one op, with the standard error of that median."""
+
+    median: float
+    se: float
+    n: int
+    samples: list[float] = field(default_factory=list)
+
+
+def levels_of(samples: dict[str, list[float]], sigma_floor: float) -> dict[str, Level]:
+    """Per op: the median of its samples and that median's standard error (relative noise never below
+    ``sigma_floor``); ops without samples are left out."""
+    levels = {}
+    for key, values in samples.items():
+        if values:
+            median = statistics.median(values)
+            levels[key] = Level(median, _median_se(values, median, sigma_floor), len(values), sorted(values))
+    return levels
+
+
+def probability_of_superiority(levels: dict[Any, dict[str, Level]], member: Any, keys: Sequence[str]) -> float:
+    """P(a sample of ``member`` > a sample of a healthy peer), over the ops ``keys`` (ties count half).
+
+    The healthy peers of an op are the faster half of the others. A rank-based measure that no outlier and no
+    odd-shaped distribution can push: a really slow rank is slower in nearly every sample pair (P near 1);
+    heavy-tailed noise that happens to move a median (a few lucky or unlucky samples) leaves it near 0.5."""
+    wins = pairs = 0.0
+    for key in keys:
+        own = levels[member][key].samples
+        others = sorted((lv[key] for m, lv in levels.items() if m != member and key in lv), key=lambda lv: lv.median)
+        for peer in others[: (len(others) + 1) // 2]:
+            for y in peer.samples:
+                below = bisect.bisect_left(own, y)
+                ties = bisect.bisect_right(own, y) - below
+                wins += len(own) - below - ties + 0.5 * ties
+                pairs += len(own)
+    return wins / pairs if pairs else 0.5
+
+
+def pooled_sigma(samples: Iterable[list[float]]) -> float:
+    """Relative noise of single samples pooled over many series (each normalised by its own median)."""
+    residuals: list[float] = []
+    for values in samples:
+        if len(values) >= 2:
+            center = statistics.median(values)
+            if center > 0:
+                residuals += [(v / center - 1.0) * _small_sample(len(values)) for v in values]
+    return max(mad_sigma(residuals), _SIGMA_FLOOR) if len(residuals) >= 2 else _SIGMA_FLOOR
+
+
+@dataclass
+class Comparison:
+    """One member of a peer group against the group's healthy level (summed over the ops it has)."""
+
+    member: Any
+    median: float  # sum over ops of the member's medians
+    baseline: float  # sum over the same ops of the group's healthy levels
+    noise: float  # standard error of ``log(median / baseline)``
+    n: int
+    levels: dict[Any, dict[str, Level]] = field(repr=False, default_factory=dict)  # the whole group's
+    keys: list[str] = field(default_factory=list)  # the ops compared
+    _superiority: Optional[float] = None
+
+    @property
+    def superiority(self) -> float:
+        """P(a sample of this member > a sample of a healthy peer): computed on first use (for candidates)."""
+        if self._superiority is None:
+            self._superiority = probability_of_superiority(self.levels, self.member, self.keys)
+        return self._superiority
+
+    @property
+    def excess(self) -> float:
+        return self.median / self.baseline - 1.0 if self.baseline > 0 else 0.0
+
+    @property
+    def z(self) -> float:
+        """How many standard errors the member is above the baseline, on a log scale: timing noise is
+        multiplicative (a rank 30x slower than a noisy baseline is far more certain than 30 linear standard
+        errors of the baseline suggest), and on a log scale a ratio's error is that of its two parts combined."""
+        if self.median <= 0 or self.baseline <= 0:
+            return 0.0
+        return math.log(self.median / self.baseline) / self.noise if self.noise > 0 else math.inf
+
+
+def compare_with_peers(levels: dict[Any, dict[str, Level]]) -> list[Comparison]:
+    """Compare every member of a peer group with the lower-half median of the group, op by op.
+
+    A member's ratio is ``sum(own medians) / sum(baselines)`` over the ops it has, i.e. the ratios of the ops
+    weighted by their length; its noise (relative, i.e. of the log ratio) combines the standard errors of its own
+    medians with those of the baseline (a median of about ``n / 2`` peers' medians)."""
+    keys = {key for per_member in levels.values() for key in per_member}
+    baseline: dict[str, float] = {}
+    baseline_se: dict[str, float] = {}
+    for key in keys:
+        values = [(lv.median, lv.se) for per_member in levels.values() if (lv := per_member.get(key)) is not None]
+        if len(values) < 2:
+            continue
+        healthy = sorted(values)[: (len(values) + 1) // 2]
+        typical_se = statistics.median(se for _, se in healthy)
+        lower = lower_half_median([v for v, _ in values])
+        # the lower half of noisy copies of one level sits below that level by lower_half_bias noise units; the
+        # copies are the members within noise of the lower half (clearly slower ones were never candidates)
+        cluster = sum(1 for v, se in values if v <= lower + 3.0 * math.hypot(se, typical_se))
+        baseline[key] = lower + lower_half_bias(len(values), cluster) * typical_se
+        baseline_se[key] = typical_se / math.sqrt(len(healthy))
+    comparisons = []
+    for member, per_member in levels.items():
+        own = [key for key in per_member if key in baseline]
+        if not own:
+            continue
+        median = sum(per_member[k].median for k in own)
+        base = sum(baseline[k] for k in own)
+        if median <= 0 or base <= 0:
+            continue
+        own_rel = math.sqrt(sum(per_member[k].se ** 2 for k in own)) / median
+        base_rel = math.sqrt(sum(baseline_se[k] ** 2 for k in own)) / base
+        comparisons.append(
+            Comparison(
+                member=member,
+                median=median,
+                baseline=base,
+                noise=math.hypot(own_rel, base_rel),
+                n=min(per_member[k].n for k in own),
+                levels=levels,
+                keys=own,
+            )
+        )
+    # the spread of the healthy half's ratios bounds rank-to-rank differences that are not noise within a rank
+    healthy_logs = sorted(math.log(c.median / c.baseline) for c in comparisons)
+    healthy_logs = healthy_logs[: (len(healthy_logs) + 1) // 2]
+    if len(healthy_logs) >= 3:
+        spread = mad_sigma(healthy_logs) * _small_sample(len(healthy_logs))
+        for c in comparisons:
+            c.noise = max(c.noise, spread)
+    return comparisons

@@ -1,0 +1,404 @@
+"""What the MegaScan rank files say each rank did: per-rank, per-step measurements for ``scan.detect``.
+
+The contract: rank files in, numbers out. Reading a trace directory gives one ``RankTrace`` per rank (its
+coordinates, host, clock offset to rank 0 and spans of the finished steps analysed); the functions below turn
+those into what detection compares, and every one of them only measures: which numbers are slow is decided in
+``scan.detect``. Problems with the input (missing or cut rank files, unfinished steps, unmatched sends) are
+appended to a ``notes`` list, in the order they are found, for the report's warnings.
+
+* **clocks**: a rank's offset to rank 0 (its *aligned* clock) is the median ``offset_us`` of its
+  ``megascan.clock`` records, its uncertainty the median ``uncertainty_us`` (a ± bound, taken as two standard
+  deviations by ``clock_sigma``);
+* **steps**: a rank's steps are those it finished (its ``step`` span was written, so every span inside it was
+  too; a truncated file's last step is partial), less the first ``skip_steps`` of the run;
+* **net compute** (``net_compute``): per op (``cat: compute``, one key per name and model chunk) or layer part
+  (``compute.layer``), a span's time minus the part of it spent inside blocking communication or data waits *on
+  that rank* (the union of its ``collective`` spans that are not ``async``, its ``p2p`` and its ``data``
+  spans): a fast tensor-parallel peer that waits inside the all-reduce for a slow one has a long span but
+  normal net compute;
+* **collective arrivals** (``collective_arrivals``): per instance ``(group, seq)`` the member with the latest
+  start on the aligned clock arrived last, and imposed on every other member a wait of ``last start - its
+  start``;
+* **transfers** (``link_transfers``): a p2p send ``{peer: Q, seq: k, direction: d}`` on P and the matching
+  receive on Q (same step) give a transfer time, by default ``recv end - max(send start, recv start)`` on the
+  aligned clock (the transfer cannot start before both sides are there); a send alone in its span measures it
+  on one clock instead where that is unambiguous (``transfer_us``). Each transfer records its size, whether it
+  rests on two clocks, and whether both ends were alone in their spans (nothing else can have stretched it);
+* **data waits** (``data_waits``): the time in ``data`` spans per step, and when the step's last one ended on
+  the aligned clock;
+* ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_megatron.scan.format import RANK_FILE_PATTERN, list_rank_files, read_rank_file
+from lightning_megatron.scan.report import RankSummary
+
+__all__ = [
+    "DataWaits",
+    "Link",
+    "RankTrace",
+    "Transfer",
+    "clock_sigma",
+    "collective_arrivals",
+    "data_waits",
+    "keep_finished_steps",
+    "link_transfers",
+    "net_compute",
+    "read_traces",
+    "summarize",
+    "transfer_us",
+]
+
+Link = tuple[int, int, str]  # an ordered link: (sending rank, receiving rank, direction)
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+@dataclass
+class RankTrace:
+    """The parts of one rank file detection uses, on the rank's own clock (``offset_us`` maps to rank 0's)."""
+
+    rank: int
+    dp: int = 0
+    pp: int = 0
+    tp: int = 0
+    host: str = "?"
+    world_size: Optional[int] = None
+    offsets: list[float] = field(default_factory=list)
+    uncertainties: list[float] = field(default_factory=list)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    offset_us: float = 0.0
+    uncertainty_us: float = 0.0
+
+    @property
+    def coordinates(self) -> dict[str, Any]:
+        """``rank``, ``dp``, ``pp``, ``tp`` and ``host``: where the rank sits, as every per-rank record says it."""
+        return {"rank": self.rank, "dp": self.dp, "pp": self.pp, "tp": self.tp, "host": self.host}
+
+
+def read_traces(trace_dir: Path, notes: list[str]) -> dict[int, RankTrace]:
+    """Every rank file of ``trace_dir``, read; ``FileNotFoundError`` when there is none.
+
+    Unreadable tails (a crashed run's cut line), ranks without a file and ranks without a clock record are noted."""
+    files = list_rank_files(trace_dir)
+    if not files:
+        raise FileNotFoundError(f"no MegaScan rank files in {trace_dir}")
+    traces: dict[int, RankTrace] = {}
+    for rank, path in sorted(files.items()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            traces[rank] = _read(path, rank)
+        notes += [str(w.message) for w in caught]
+    world = max([t.world_size for t in traces.values() if t.world_size] + [max(traces) + 1])
+    missing = sorted(set(range(world)) - set(traces))
+    if missing:
+        notes.append(f"no trace for rank(s) {', '.join(map(str, missing))} of {world}")
+    no_clock = sorted(rank for rank, t in traces.items() if not t.offsets)
+    if no_clock and len(traces) > 1:
+        notes.append(f"no megascan.clock record for rank(s) {', '.join(map(str, no_clock))}: offset 0 assumed")
+    return traces
+
+
+def _read(path: Path, rank: int) -> RankTrace:
+    trace = RankTrace(rank=rank)
+    match = RANK_FILE_PATTERN.match(path.name)
+    if match:
+        trace.dp, trace.pp, trace.tp = int(match.group(2)), int(match.group(3)), int(match.group(4))
+    for event in read_rank_file(path):
+        phase = event.get("ph")
+        if phase == "X" and "cat" in event:
+            trace.spans.append(event)
+        elif phase == "M":
+            args = event.get("args") or {}
+            if event.get("name") == "megascan.rank":
+                trace.dp = int(args.get("dp", trace.dp))
+                trace.pp = int(args.get("pp", trace.pp))
+                trace.tp = int(args.get("tp", trace.tp))
+                trace.host = str(args.get("host", trace.host))
+                if args.get("world_size") is not None:
+                    trace.world_size = int(args["world_size"])
+            elif event.get("name") == "megascan.clock" and "offset_us" in args:
+                trace.offsets.append(float(args["offset_us"]))
+                trace.uncertainties.append(float(args.get("uncertainty_us", 0.0)))
+    if trace.offsets:
+        trace.offset_us = statistics.median(trace.offsets)
+        trace.uncertainty_us = statistics.median(trace.uncertainties)
+    return trace
+
+
+def keep_finished_steps(traces: dict[int, RankTrace], skip_steps: int, notes: list[str]) -> list[int]:
+    """Drop from every trace the spans outside the steps to analyse (see ``_select_steps``); returns those steps
+    (over all ranks, sorted)."""
+    steps = _select_steps(traces, skip_steps, notes)
+    for trace in traces.values():
+        trace.spans = [s for s in trace.spans if _step_of(s) in steps.get(trace.rank, set())]
+    all_steps = sorted(set().union(*steps.values())) if steps else []
+    if not all_steps:
+        notes.append("no finished step with spans to analyse")
+    return all_steps
+
+
+def _select_steps(traces: dict[int, RankTrace], skip_steps: int, notes: list[str]) -> dict[int, set[int]]:
+    """Per rank, the steps to analyse: those the rank finished (its ``step`` span was written, so every span
+    inside the step was written too; a truncated file's last step is partial), less the first ``skip_steps``."""
+    every = sorted({step for t in traces.values() for s in t.spans if (step := _step_of(s)) is not None})
+    skipped = set(every[:skip_steps])
+    selected: dict[int, set[int]] = {}
+    for rank, trace in traces.items():
+        finished = {_step_of(s) for s in trace.spans if s["cat"] == "step"} - {None}
+        seen = {_step_of(s) for s in trace.spans} - {None}
+        use = finished if finished else seen
+        if finished and seen - finished and max(seen) > max(finished):
+            notes.append(f"rank {rank}: step(s) {sorted(seen - finished)} unfinished in its trace, left out")
+        selected[rank] = {s for s in use if s is not None} - skipped
+    return selected
+
+
+def _step_of(event: dict[str, Any]) -> Optional[int]:
+    step = (event.get("args") or {}).get("step")
+    return None if step is None else int(step)
+
+
+def _merge(intervals: Iterable[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """The union of intervals as sorted, disjoint (starts, ends)."""
+    starts: list[float] = []
+    ends: list[float] = []
+    for start, end in sorted(intervals):
+        if starts and start <= ends[-1]:
+            ends[-1] = max(ends[-1], end)
+        else:
+            starts.append(start)
+            ends.append(end)
+    return starts, ends
+
+
+def _overlap(start: float, end: float, union: tuple[list[float], list[float]]) -> float:
+    """Length of ``[start, end]`` covered by a union from ``_merge``."""
+    starts, ends = union
+    total = 0.0
+    i = bisect.bisect_right(ends, start)
+    while i < len(starts) and starts[i] < end:
+        total += max(0.0, min(end, ends[i]) - max(start, starts[i]))
+        i += 1
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+
+
+def summarize(trace: RankTrace) -> RankSummary:
+    """The rank's median step time and data-wait per step (``net_compute`` and ``collective_arrivals`` add theirs)."""
+    step_durs = [s["dur"] for s in trace.spans if s["cat"] == "step"]
+    data_per_step: dict[int, float] = defaultdict(float)
+    for s in trace.spans:
+        if s["cat"] == "data":
+            data_per_step[_step_of(s)] += s["dur"]  # type: ignore[index]
+    return RankSummary(
+        **trace.coordinates,
+        steps=len({_step_of(s) for s in trace.spans}),
+        step_ms=statistics.median(step_durs) / 1000 if step_durs else None,
+        data_ms=statistics.median(data_per_step.values()) / 1000 if data_per_step else None,
+    )
+
+
+def _blocking(span: dict[str, Any]) -> bool:
+    """Whether a span is time the rank spent waiting (for peers or input) rather than computing."""
+    cat = span["cat"]
+    if cat == "collective":
+        return not (span.get("args") or {}).get("async", False)
+    return cat in ("p2p", "data")
+
+
+def net_compute(
+    traces: dict[int, RankTrace], per_rank: dict[int, RankSummary]
+) -> tuple[dict[int, dict[str, list[float]]], dict[int, dict[str, list[float]]]]:
+    """Per rank, per op: net compute times (µs) — span length minus its overlap with the rank's own waits."""
+    compute: dict[int, dict[str, list[float]]] = {}
+    layers: dict[int, dict[str, list[float]]] = {}
+    for rank, trace in traces.items():
+        waits = _merge((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if _blocking(s))
+        by_op: dict[str, list[float]] = defaultdict(list)
+        by_layer: dict[str, list[float]] = defaultdict(list)
+        op_per_step: dict[int, float] = defaultdict(float)
+        layer_per_step: dict[int, float] = defaultdict(float)
+        for s in trace.spans:
+            if s["cat"] not in ("compute", "compute.layer"):
+                continue
+            args = s.get("args") or {}
+            net = max(s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], waits), 0.0)
+            if s["cat"] == "compute":
+                by_op[f"{s['name']} chunk {args.get('chunk', 0)}"].append(net)
+                op_per_step[int(args.get("step", -1))] += net
+            else:
+                key = f"{args.get('direction', '?')} layer {args.get('layer', '?')} {args.get('part', s['name'])}"
+                by_layer[key].append(net)
+                layer_per_step[int(args.get("step", -1))] += net
+        compute[rank] = dict(by_op)
+        layers[rank] = dict(by_layer)
+        per_step = op_per_step or layer_per_step
+        if per_step:
+            per_rank[rank].compute_ms = statistics.median(per_step.values()) / 1000
+    return compute, layers
+
+
+def collective_arrivals(traces: dict[int, RankTrace], per_rank: dict[int, RankSummary]) -> dict[int, dict[str, Any]]:
+    """Per rank and group name: instances, how often the rank started last, and the wait it then imposed.
+
+    One instance is ``(group, seq)``; its members' starts are compared on the aligned clock. The wait imposed by
+    the last member is the mean over the other members of ``last start - their start``."""
+    instances: dict[tuple[tuple[int, ...], int], dict[int, float]] = defaultdict(dict)
+    names: dict[tuple[int, ...], str] = {}
+    for rank, trace in traces.items():
+        for s in trace.spans:
+            if s["cat"] != "collective":
+                continue
+            args = s.get("args") or {}
+            if "group" not in args or "seq" not in args:
+                continue
+            group = tuple(sorted(int(r) for r in args["group"]))
+            names[group] = str(args.get("group_name", "?"))
+            instances[(group, int(args["seq"]))][rank] = s["ts"] + trace.offset_us
+    stats: dict[int, dict[str, dict[str, float]]] = defaultdict(
+        lambda: defaultdict(lambda: {"instances": 0, "last": 0, "imposed_us": 0.0})
+    )
+    for (group, _seq), starts in instances.items():
+        if len(starts) < 2:
+            continue
+        last = max(starts, key=lambda r: (starts[r], r))
+        imposed = statistics.fmean(starts[last] - t for r, t in starts.items() if r != last)
+        for rank in starts:
+            entry = stats[rank][names[group]]
+            entry["instances"] += 1
+            entry["group_size"] = len(group)
+            if rank == last:
+                entry["last"] += 1
+                entry["imposed_us"] += imposed
+    for rank, by_name in stats.items():
+        total = sum(e["instances"] for e in by_name.values())
+        last = sum(e["last"] for e in by_name.values())
+        imposed = sum(e["imposed_us"] for e in by_name.values())
+        if rank in per_rank and total:
+            per_rank[rank].collectives = int(total)
+            per_rank[rank].last_arrival_fraction = last / total
+            per_rank[rank].imposed_wait_ms = imposed / last / 1000 if last else 0.0
+    return {rank: dict(by_name) for rank, by_name in stats.items()}
+
+
+def transfer_us(
+    send: tuple[float, float, bool], recv: tuple[float, float], margin: float
+) -> tuple[Optional[float], bool]:
+    """One transfer's duration (µs) from a matched send (start, end, alone in its span) and receive (start, end)
+    on the aligned clock, and whether it rests on the alignment of two clocks; ``None`` when ambiguous.
+
+    The reference is ``recv end - max(send start, recv start)``: the data cannot move before both sides are
+    there. Two things spoil it: when the receiver was there first it is a difference across two clocks (only
+    known within their uncertainty, tens of µs, the order of a whole activation transfer), and with eager sends
+    (the data travels before the receiver posts) a late receiver finds the data already there. When the send is
+    alone in its span, its own duration measures the transfer on one clock in both cases (receiver first, or
+    send complete before the receiver came), so it is used instead; when the receiver came *during* the send,
+    rendezvous semantics (transfer = receive span) and eager ones (transfer = send span) disagree and the
+    sample is ambiguous. Spans holding several ops (``send-forward-recv-backward``) use the reference."""
+    send_start, send_end, alone = send
+    recv_start, recv_end = recv
+    gap = recv_start - send_start
+    send_dur = send_end - send_start
+    if not alone:
+        return max(recv_end - max(send_start, recv_start), 0.0), gap < 0
+    if gap <= margin or gap >= send_dur + margin:
+        return max(send_dur, 0.0), False
+    return None, False
+
+
+@dataclass
+class Transfer:
+    """One matched send and receive: duration (µs), size, step, and what the duration rests on."""
+
+    us: float
+    bytes: float
+    step: int
+    cross_clock: bool  # rests on the alignment of two ranks' clocks
+    clean: bool  # both ends alone in their spans: nothing else in either span can have delayed it
+
+
+def link_transfers(traces: dict[int, RankTrace], notes: list[str]) -> dict[Link, list[Transfer]]:
+    """Match every p2p send with its receive (same sender, receiver, direction, step and ``seq``) and time the
+    transfer (``transfer_us``), per ordered link. Sends without a matching receive (a missing or cut trace on
+    the other side) are noted."""
+    Key = tuple[int, int, str, int, int]  # (src, dst, direction, step, seq)
+    sends: dict[Key, tuple[float, float, bool, float]] = {}
+    recvs: dict[Key, tuple[float, float, bool, float]] = {}
+    for rank, trace in traces.items():
+        for s in trace.spans:
+            if s["cat"] != "p2p":
+                continue
+            args = s.get("args") or {}
+            step = int(args.get("step", -1))
+            start, end = s["ts"] + trace.offset_us, s["ts"] + s["dur"] + trace.offset_us
+            send_ops, recv_ops = args.get("sends") or [], args.get("recvs") or []
+            for op in send_ops:
+                key = (rank, int(op["peer"]), str(op.get("direction", "?")), step, int(op.get("seq", 0)))
+                sends[key] = (start, end, len(send_ops) == 1 and not recv_ops, float(op.get("bytes", 0) or 0))
+            for op in recv_ops:
+                key = (int(op["peer"]), rank, str(op.get("direction", "?")), step, int(op.get("seq", 0)))
+                recvs[key] = (start, end, len(recv_ops) == 1 and not send_ops, float(op.get("bytes", 0) or 0))
+    transfers: dict[Link, list[Transfer]] = defaultdict(list)
+    unmatched = 0
+    for key, (send_start, send_end, send_alone, send_bytes) in sends.items():
+        src, dst, direction, step, _seq = key
+        recv = recvs.get(key)
+        if recv is None or src not in traces or dst not in traces:
+            unmatched += 1
+            continue
+        recv_start, recv_end, recv_alone, recv_bytes = recv
+        margin = clock_sigma(traces[src], traces[dst])
+        us, cross = transfer_us((send_start, send_end, send_alone), (recv_start, recv_end), margin)
+        if us is not None:
+            size = max(send_bytes, recv_bytes, 1.0)
+            transfers[(src, dst, direction)].append(Transfer(us, size, step, cross, send_alone and recv_alone))
+    if unmatched:
+        notes.append(f"{unmatched} of {len(sends)} p2p sends without a matching receive (missing or cut traces)")
+    return dict(transfers)
+
+
+def clock_sigma(a: RankTrace, b: RankTrace) -> float:
+    """Standard deviation (µs) of the error of a difference between two ranks' aligned times.
+
+    ``uncertainty_us`` is a ± bound of a clock offset; it is taken as two standard deviations."""
+    return math.hypot(a.uncertainty_us, b.uncertainty_us) / 2.0
+
+
+@dataclass
+class DataWaits:
+    """Per rank that has ``data`` spans: its data-wait time (µs) of each step, and when (aligned clock, µs) the
+    step's last wait ended."""
+
+    samples: dict[int, list[float]] = field(default_factory=dict)
+    ends: dict[int, dict[int, float]] = field(default_factory=dict)
+
+
+def data_waits(traces: dict[int, RankTrace]) -> DataWaits:
+    waits = DataWaits()
+    for rank, trace in traces.items():
+        per_step: dict[int, float] = defaultdict(float)
+        end: dict[int, float] = {}
+        for s in trace.spans:
+            if s["cat"] == "data":
+                step = int(_step_of(s))  # type: ignore[arg-type]
+                per_step[step] += s["dur"]
+                end[step] = max(end.get(step, -math.inf), s["ts"] + s["dur"] + trace.offset_us)
+        if per_step:
+            waits.samples[rank] = list(per_step.values())
+            waits.ends[rank] = end
+    return waits

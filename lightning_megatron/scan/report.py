@@ -1,0 +1,203 @@
+"""What ``scan.detect`` found, and how it is shown: suspects, per-rank medians, the text table, JSON, metrics.
+
+The contract: plain data and its presentations, nothing else. ``Suspect`` (one slow rank, link or data loader),
+``RankSummary`` (a rank's medians) and ``DetectionReport`` (both, with warnings and parameters) round-trip
+through JSON (``to_json`` / ``from_json``) and print as a table (``table``); ``log_to`` hands the numbers to a
+Lightning-logger-like object. It imports nothing from ``scan``: the callback broadcasts reports, and users read
+JSON reports back, without the trace reader or the detector.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Protocol, Union
+
+__all__ = ["KINDS", "DetectionReport", "RankSummary", "Suspect", "log_to"]
+
+KINDS = ("compute", "link", "data")  # what a Suspect can be
+
+
+@dataclass
+class Suspect:
+    """One rank (for ``kind == "link"``: one ordered link, from ``rank`` to ``peer``) that is slower than its peers.
+
+    ``slowdown`` is the excess over the peers' healthy level as a fraction (0.21: 21 % slower): of net compute
+    time, of transfer time per byte, or of data-wait time. ``evidence`` holds the numbers behind it; its
+    ``impact_ms`` (time this costs per step) orders the suspects."""
+
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+    host: str
+    kind: str
+    slowdown: float
+    peer: Optional[int] = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def impact_ms(self) -> float:
+        return float(self.evidence.get("impact_ms", 0.0))
+
+
+@dataclass
+class RankSummary:
+    """Per-rank medians over the steps analysed (``None`` where the trace has no such spans).
+
+    ``compute_ms`` is net compute per step (communication and data waits taken out); ``last_arrival_fraction``
+    and ``imposed_wait_ms`` describe the rank's collectives (fraction of instances it started last, mean wait it
+    imposed on the other members when it did)."""
+
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+    host: str
+    steps: int
+    step_ms: Optional[float] = None
+    compute_ms: Optional[float] = None
+    data_ms: Optional[float] = None
+    collectives: int = 0
+    last_arrival_fraction: Optional[float] = None
+    imposed_wait_ms: Optional[float] = None
+
+
+@dataclass
+class DetectionReport:
+    """What ``detect`` found: suspects ranked by severity (time lost per step), per-rank medians, warnings."""
+
+    trace_dir: str
+    suspects: list[Suspect]
+    per_rank: dict[int, RankSummary]
+    warnings: list[str] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def abnormal(self) -> bool:
+        return bool(self.suspects)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trace_dir": self.trace_dir,
+            "suspects": [asdict(s) for s in self.suspects],
+            "per_rank": {str(rank): asdict(summary) for rank, summary in sorted(self.per_rank.items())},
+            "warnings": list(self.warnings),
+            "params": dict(self.params),
+            "steps": list(self.steps),
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, source: Union[str, bytes, dict[str, Any]]) -> DetectionReport:
+        """The report back from ``to_json()`` text (or its parsed dict)."""
+        data = source if isinstance(source, dict) else json.loads(source)
+        return cls(
+            trace_dir=data["trace_dir"],
+            suspects=[Suspect(**s) for s in data["suspects"]],
+            per_rank={int(rank): RankSummary(**summary) for rank, summary in data["per_rank"].items()},
+            warnings=list(data.get("warnings", [])),
+            params=dict(data.get("params", {})),
+            steps=list(data.get("steps", [])),
+        )
+
+    def table(self, per_rank: bool = False) -> str:
+        """A short text table of the suspects, most severe first; ``nothing abnormal`` when there are none."""
+        steps = f"{len(self.steps)} step{'s' if len(self.steps) != 1 else ''}"
+        lines: list[str] = []
+        if not self.suspects:
+            lines.append(f"nothing abnormal ({len(self.per_rank)} ranks, {steps})")
+        else:
+            lines.append(f"{len(self.suspects)} suspect(s) in {len(self.per_rank)} ranks, {steps}:")
+            header = ("rank", "dp", "pp", "tp", "host", "kind", "slowdown", "peer", "lost/step", "evidence")
+            rows = [
+                (
+                    str(s.rank),
+                    str(s.dp),
+                    str(s.pp),
+                    str(s.tp),
+                    s.host,
+                    s.kind,
+                    f"+{100 * s.slowdown:.1f}%",
+                    "" if s.peer is None else str(s.peer),
+                    f"{s.impact_ms:.2f} ms",
+                    _evidence_text(s),
+                )
+                for s in self.suspects
+            ]
+            lines += _format_rows(header, rows)
+        if per_rank:
+            header = ("rank", "dp", "pp", "tp", "host", "step ms", "compute ms", "data ms", "last at coll.")
+            rows = [
+                (
+                    str(r.rank),
+                    str(r.dp),
+                    str(r.pp),
+                    str(r.tp),
+                    r.host,
+                    _fmt(r.step_ms),
+                    _fmt(r.compute_ms),
+                    _fmt(r.data_ms),
+                    "" if r.last_arrival_fraction is None else f"{100 * r.last_arrival_fraction:.0f}%",
+                )
+                for r in sorted(self.per_rank.values(), key=lambda r: r.rank)
+            ]
+            lines += [""] + _format_rows(header, rows)
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _format_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    # the last column (free text) is not padded
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1] for row in (header, *rows)]
+
+
+def _evidence_text(suspect: Suspect) -> str:
+    e = suspect.evidence
+    if suspect.kind == "compute":
+        text = f"net compute {e['median_ms']:.2f} ms vs {e['baseline_ms']:.2f} ms on peers per microbatch"
+        if e.get("last_arrival_fraction") is not None:
+            text += (
+                f"; last at {100 * e['last_arrival_fraction']:.0f}% of its {e['collective_group']} collectives"
+                f" (imposed {e['imposed_wait_ms']:.2f} ms)"
+            )
+        return text
+    if suspect.kind == "link":
+        return (
+            f"{e['direction']} {suspect.rank}->{suspect.peer}: {e['median_us_per_mb']:.1f} us/MB vs "
+            f"{e['baseline_us_per_mb']:.1f} us/MB on {e['link_class']} links"
+        )
+    return f"data-wait {e['median_ms']:.2f} ms vs peers {e['baseline_ms']:.2f} ms per step"
+
+
+class _MetricsLogger(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> Any: ...
+
+
+def log_to(logger: _MetricsLogger, report: DetectionReport, step: Optional[int] = None) -> dict[str, float]:
+    """Log the report through a Lightning-logger-like object (``log_metrics(dict, step)``); returns the metrics.
+
+    ``megascan/rank{R}_step_ms`` and ``megascan/rank{R}_compute_ms`` per rank, ``megascan/suspects`` (count),
+    ``megascan/max_slowdown``, and ``megascan/rank{R}_{kind}_slowdown`` per suspect."""
+    metrics: dict[str, float] = {}
+    for rank, summary in sorted(report.per_rank.items()):
+        if summary.step_ms is not None:
+            metrics[f"megascan/rank{rank}_step_ms"] = float(summary.step_ms)
+        if summary.compute_ms is not None:
+            metrics[f"megascan/rank{rank}_compute_ms"] = float(summary.compute_ms)
+    metrics["megascan/suspects"] = float(len(report.suspects))
+    metrics["megascan/max_slowdown"] = max((s.slowdown for s in report.suspects), default=0.0)
+    for s in report.suspects:
+        name = f"megascan/rank{s.rank}_{s.kind}_slowdown" + (f"_to{s.peer}" if s.peer is not None else "")
+        metrics[name] = max(metrics.get(name, 0.0), float(s.slowdown))
+    logger.log_metrics(metrics, step=step)
+    return metrics

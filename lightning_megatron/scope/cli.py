@@ -1,0 +1,161 @@
+"""``lightning-megatron scope``: serve a model to the MegaScope UI, or sweep perturbations over it.
+
+    lightning-megatron scope serve runs/gpt-tiny-cpu/checkpoints/last.ckpt
+    lightning-megatron scope serve --hf ./gpt2 --devices 2 --tensor-model-parallel-size 2
+    lightning-megatron scope sweep runs/gpt-tiny-cpu/checkpoints/last.ckpt --layers 0 1 2 3 \\
+        --sites system calculation storage --kinds gaussian bitflip --strengths 1e-3 1e-2 1e-1 -o runs/sweep
+
+``serve`` prints a URL with a one-time token (set ``LM_SCOPE_TOKEN`` to choose it; never a command-line
+argument, which other users could read in ``ps``). It listens on 127.0.0.1 unless ``--host`` says otherwise.
+With ``--devices N`` Lightning starts the other ranks, which follow the serving rank's requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["main"]
+
+
+def _layout_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", nargs="?", help="a checkpoint directory written by `lightning-megatron fit`")
+    parser.add_argument("--hf", help="a local Hugging Face GPT-2 or Llama directory instead of a checkpoint")
+    parser.add_argument("--tokenizer", help="override the tokenizer recorded in the run's config")
+    parser.add_argument("--devices", type=int, default=1, help="processes (GPUs, or CPU processes)")
+    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu"])
+    parser.add_argument("--precision", help="override the run's precision (e.g. bf16-mixed)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--layer-spec", choices=["local", "sdpa"], help="attention implementation (checkpoints load with either)"
+    )
+
+
+def _load(args: argparse.Namespace, micro_batch_size: int = 1) -> Any:
+    from lightning_megatron.models.loading import load_model
+
+    layout = dict(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+    )
+    overrides = {"layer_spec": args.layer_spec} if args.layer_spec else None
+    return load_model(
+        args.checkpoint,
+        hf=args.hf,
+        tokenizer=args.tokenizer,
+        devices=args.devices,
+        accelerator=args.accelerator,
+        precision=args.precision,
+        micro_batch_size=micro_batch_size,
+        model_overrides=overrides,
+        **layout,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from lightning_megatron.scope import collect
+    from lightning_megatron.scope.engine import ScopeEngine
+    from lightning_megatron.scope.server import ScopeServer
+
+    loaded = _load(args)
+    engine = ScopeEngine(loaded.module, loaded.tokenizer, eos_id=getattr(loaded.tokenizer, "eod_id", None))
+    collect.scope_group()
+    if collect.rank() != 0:
+        engine.run_command_loop()
+        return 0
+    server = ScopeServer(engine, host=args.host, port=args.port, allowed_hosts=args.allowed_host or ())
+    server.start()
+    print(f"MegaScope is serving {args.checkpoint or args.hf} at\n    {server.url}", flush=True)
+    try:
+        if collect.is_distributed():
+            engine.run_command_loop()
+        else:
+            import threading
+
+            threading.Event().wait()
+    except KeyboardInterrupt:
+        print("\nMegaScope: stopping", flush=True)
+    finally:
+        server.stop()
+        if collect.is_distributed():
+            engine.shutdown()
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from lightning_megatron.scope.sweep import SweepGrid, run_sweep, write_results
+
+    loaded = _load(args, micro_batch_size=args.micro_batch_size)
+    data = _validation_data(loaded, args)
+    grid = SweepGrid(
+        layers=args.layers or list(range(loaded.module.hparams.num_layers)),
+        sites=args.sites,
+        kinds=args.kinds,
+        strengths=args.strengths,
+        seed=args.seed,
+    )
+    clean, rows = run_sweep(loaded.trainer, loaded.module, data, grid, grad_norm=args.grad_norm)
+    if loaded.trainer.is_global_zero:
+        paths = write_results(Path(args.output), clean, rows)
+        print(paths["md"].read_text())
+        print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _validation_data(loaded: Any, args: argparse.Namespace) -> Any:
+    """The run's own validation data (its data module from config.yaml), the first ``--batches`` batches."""
+    from itertools import islice
+
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import data as data_package
+    from lightning_megatron.errors import MegatronConfigError
+    from lightning_megatron.models.loading import class_from_config
+
+    section = loaded.config.get("data")
+    if not section:
+        raise MegatronConfigError(
+            "scope sweep needs a checkpoint of a `lightning-megatron fit` run (its data section)."
+        )
+    datamodule = class_from_config(section, data_package)(**section.get("init_args", {}))
+    datamodule.trainer = loaded.trainer
+    datamodule.setup("validate")
+    batches = list(islice(iter(datamodule.val_dataloader()), args.batches))
+    return DataLoader(batches, batch_size=None)  # the same batches for every cell
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-megatron scope", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model to the MegaScope web UI")
+    _layout_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=5000, help="0 picks a free port")
+    serve.add_argument("--allowed-host", action="append", help="another Host name the page may be opened under")
+    sweep = commands.add_parser("sweep", help="Δ validation loss of a seeded perturbation grid")
+    _layout_arguments(sweep)
+    sweep.add_argument("--layers", type=int, nargs="+", help="default: every layer")
+    sweep.add_argument("--sites", nargs="+", default=["system", "calculation", "storage"])
+    sweep.add_argument("--kinds", nargs="+", default=["gaussian"])
+    sweep.add_argument("--strengths", type=float, nargs="+", default=[1e-2, 1e-1])
+    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--batches", type=int, default=4, help="validation batches per cell")
+    sweep.add_argument("--micro-batch-size", type=int, default=1)
+    sweep.add_argument("--grad-norm", action="store_true", help="also the gradient norm of the first batch")
+    sweep.add_argument("-o", "--output", default="megascope-sweep")
+    args = parser.parse_args(argv)
+    if (args.checkpoint is None) == (args.hf is None):
+        parser.error("give a checkpoint directory or --hf DIR")
+    return _serve(args) if args.command == "serve" else _sweep(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""``perturb``: inject noise, bit flips or stuck values into weights, computations or the residual stream.
+
+Contract::
+
+    with perturb(module, "blocks.2.hook_resid_post", kind="gaussian", strength=0.1, seed=0):
+        ...  # generation, training steps, validation: the model computes the perturbed function
+
+Rules that keep training correct (MegatronApp's weight noise ran under ``no_grad`` and cut gradients):
+
+* **Noise is a function of (seed, step, microbatch, layer, site) and the absolute position**, drawn for the
+  *full* (TP1) tensor and cut to each rank's shard (``scope.layout``). So activation recomputation, every TP
+  rank holding a replicated tensor, every layout, and a KV-cache decode step (which sees one position)
+  against a full recompute all see the same noise. Weights take noise per (seed, step, layer, site).
+* **Activations**: the replacement is ``f(x)`` with the noise detached, so the gradient is that of the
+  perturbed function (multiplicative noise and masks scale or zero it); bit flips have no derivative and use
+  a straight-through estimator, ``x + (flip(x) - x).detach()``.
+* **Weights** are never edited: for the duration of the module's forward its ``weight`` attribute is the
+  tensor ``w + n`` (``w`` stays a parameter, gradients flow through the addition to it), restored by an
+  always-called forward hook. Checkpoints, the optimizer and the gradient buffers only ever see clean ``w``.
+* **Off is exact**: leaving the context removes every hook; ``strength=0`` computes ``x + 0·n`` (gaussian),
+  ``x·1`` (uniform) or nothing (masks, flips): outputs and gradients are bit-identical to no perturbation.
+
+Kinds (``strength`` means): ``gaussian`` x + s·N(0,1); ``uniform`` x·U(1-s, 1+s); ``bitflip`` each element
+has one random bit of its dtype flipped with probability s; ``zero`` each element is zeroed with probability
+s; ``stuck`` each element is set to ``value`` with probability s. ``layers`` and ``heads`` narrow a site
+(heads are the tensor's own: query heads for q and z, key/value heads for k and v).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Optional
+
+import torch
+
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.scope.sites import ProbePoint, chunks_of, match_points, probe_points
+from lightning_megatron.scope.tap import Tap, strategy_of
+
+__all__ = ["KINDS", "Perturbation", "Perturber", "noise_draws", "perturb"]
+
+Kind = Literal["gaussian", "uniform", "bitflip", "zero", "stuck"]
+KINDS: tuple[str, ...] = ("gaussian", "uniform", "bitflip", "zero", "stuck")
+_INT_VIEWS = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    site: str
+    """A probe name or glob (``blocks.*.hook_resid_post``), or a group: ``storage``, ``calculation``, ``system``."""
+    kind: Kind = "gaussian"
+    strength: float = 0.0
+    seed: int = 0
+    layers: Optional[tuple[int, ...]] = None
+    heads: Optional[tuple[int, ...]] = None
+    value: float = 0.0
+    """The stuck-at value (``kind="stuck"``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise MegatronConfigError(f"Perturbation(kind={self.kind!r}): choose one of {list(KINDS)}.")
+        strength = float(self.strength)
+        if not strength >= 0 or strength == float("inf"):
+            raise MegatronConfigError(f"Perturbation(strength={self.strength!r}) must be a finite number >= 0.")
+        if self.kind in ("bitflip", "zero", "stuck") and strength > 1:
+            raise MegatronConfigError(
+                f"Perturbation(kind={self.kind!r}, strength={strength}): strength is a probability per element, in [0, 1]."
+            )
+        object.__setattr__(self, "strength", strength)
+        for name in ("layers", "heads"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> Perturbation:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise MegatronConfigError(f"a perturbation takes {sorted(known)}; unknown fields: {unknown}.")
+        return cls(**spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+
+def _seed_of(*parts: Any) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Perturber:
+    """The hooks of a set of perturbations on one model; ``attach``/``detach`` (``perturb`` does both)."""
+
+    def __init__(self, model: Any, perturbations: Sequence[Perturbation]) -> None:
+        self.chunks = chunks_of(model)
+        self.tap = Tap.of(self.chunks, strategy_of(model))
+        self.perturbations = list(perturbations)
+        points = probe_points(self.chunks)
+        self.targets: list[tuple[Perturbation, ProbePoint]] = []
+        for pert in self.perturbations:
+            chosen = match_points(points, [pert.site], what="perturb")
+            bad = [p.name for p in chosen if not p.perturbable]
+            if bad:
+                perturbable = sorted({p.name.split(".", 2)[-1] for p in points if p.perturbable})
+                raise MegatronConfigError(
+                    f"perturb(site={pert.site!r}): {bad[:3]} cannot be perturbed; perturbable sites are "
+                    f"blocks.L.{{{', '.join(perturbable)}}} and hook_embed (or a group: storage, calculation, system)."
+                )
+            if pert.heads is not None and any(p.num_heads is None for p in chosen):
+                raise MegatronConfigError(
+                    f"perturb(heads=...) needs sites with heads (attn.hook_q/k/v/z), not {pert.site!r}."
+                )
+            for point in chosen:
+                if pert.layers is None or point.layer in pert.layers:
+                    self.targets.append((pert, point))
+        self._handles: list[Any] = []
+        self._noise: dict[tuple, torch.Tensor] = {}
+        self._noise_step: Optional[int] = None
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        self.tap.acquire()
+        for pert, point in self.targets:
+            if point.is_weight:
+                self._attach_weight(pert, point)
+            elif point.when == "pre":
+                self._handles.append(
+                    point.module.register_forward_pre_hook(self._pre_hook(pert, point), with_kwargs=True, prepend=True)
+                )
+            else:
+                self._handles.append(
+                    point.module.register_forward_hook(self._post_hook(pert, point), with_kwargs=True, prepend=True)
+                )
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for _, point in self.targets:
+            if point.is_weight:
+                point.module.__dict__.pop("weight", None)
+        self._noise.clear()
+        self.tap.release()
+
+    def _pre_hook(self, pert: Perturbation, point: ProbePoint):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            x = point.read(args, kwargs, None)
+            return point.write(args, kwargs, None, self._perturbed(pert, point, x))  # type: ignore[misc]
+
+        return hook
+
+    def _post_hook(self, pert: Perturbation, point: ProbePoint):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            x = output[0] if isinstance(output, tuple) else output
+            return point.write(args, kwargs, output, self._perturbed(pert, point, x))  # type: ignore[misc]
+
+        return hook
+
+    def _attach_weight(self, pert: Perturbation, point: ProbePoint) -> None:
+        module = point.module
+        if getattr(module, "gradient_accumulation_fusion", False):
+            raise MegatronConfigError(
+                f"perturb({point.name}): weight noise needs gradient_accumulation_fusion=False (the fused wgrad "
+                "kernel writes to weight.main_grad directly)."
+            )
+
+        def swap_in(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            weight = module._parameters["weight"]
+            noise = self._noise_for(pert, point, tuple(weight.shape), weight.device, positions=None)
+            module.__dict__["weight"] = _apply(pert, weight, noise, None)
+
+        def swap_out(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            module.__dict__.pop("weight", None)
+
+        self._handles.append(module.register_forward_pre_hook(swap_in, with_kwargs=True, prepend=True))
+        self._handles.append(module.register_forward_hook(swap_out, with_kwargs=True, always_call=True))
+
+    # -- noise ---------------------------------------------------------------------------------------------
+    def _perturbed(self, pert: Perturbation, point: ProbePoint, x: torch.Tensor) -> torch.Tensor:
+        layout = point.layout
+        extent = x.shape[layout.seq_dim] if layout.seq_dim is not None else 0
+        positions = self.tap.positions_for_seq(extent, layout.sequence_parallel_split)
+        noise = self._noise_for(pert, point, tuple(x.shape), x.device, positions)
+        heads = self._head_mask(pert, point, x) if pert.heads is not None else None
+        return _apply(pert, x, noise, heads)
+
+    def _noise_for(
+        self,
+        pert: Perturbation,
+        point: ProbePoint,
+        local_shape: tuple[int, ...],
+        device: torch.device,
+        positions: Optional[tuple[int, int]],
+    ) -> dict[str, torch.Tensor]:
+        """This rank's part of the full tensor's random draws: ``u`` uniform [0,1) (``n`` normal for gaussian,
+        ``bit`` indices for bitflip), for the positions being computed."""
+        state, facts, layout = self.tap.state, self.tap.facts, point.layout
+        if self._noise_step != state.step:
+            self._noise.clear()  # noise of earlier steps is never asked again
+            self._noise_step = state.step
+        full_shape = layout.full_shape(local_shape, facts.tp_size, facts.sequence_parallel)
+        # weights: one draw per step; activations: per (data-parallel rank, microbatch) — each holds other samples
+        microbatch = None if point.is_weight else (facts.dp_rank, state.microbatch)
+        if positions is not None and layout.seq_dim is not None:
+            # Draw for every position the model can see, so any window of positions gets the same values.
+            full_shape[layout.seq_dim] = max(self.tap.max_positions, positions[1])
+        key = (pert, state.step, microbatch, point.name, tuple(full_shape), str(device))
+        draws = self._noise.get(key)
+        if draws is None:
+            draws = noise_draws(pert, point.name, full_shape, state.step, microbatch, device)
+            if point.is_weight or not torch.is_grad_enabled():
+                # kept for the step (weights: every microbatch) or the generation (every token); training
+                # activations are drawn again when recomputed: the same seed gives the same values
+                self._noise[key] = draws
+        out = {}
+        for name, full in draws.items():
+            if positions is not None and layout.seq_dim is not None:
+                full = full.narrow(layout.seq_dim, positions[0], positions[1] - positions[0])
+            out[name] = layout.local_part(full, facts.tp_rank, facts.tp_size, facts.sequence_parallel)
+        return out
+
+    def _head_mask(self, pert: Perturbation, point: ProbePoint, x: torch.Tensor) -> torch.Tensor:
+        """1 on the targeted heads of this rank's shard, broadcastable to ``x``."""
+        facts, heads = self.tap.facts, point.num_heads or 1
+        full = torch.zeros(heads, dtype=torch.bool, device=x.device)
+        chosen = [h for h in pert.heads or () if 0 <= h < heads]
+        if len(chosen) != len(pert.heads or ()):
+            raise MegatronConfigError(
+                f"perturb(heads={list(pert.heads or ())}): {point.name} has heads 0..{heads - 1}."
+            )
+        full[chosen] = True
+        local = full.chunk(facts.tp_size)[facts.tp_rank]
+        shape = [1] * x.dim()
+        if point.layout.heads is not None:  # heads folded into the last dim ([s, b, heads*d])
+            local = local.repeat_interleave(x.shape[-1] // local.numel())
+            shape[-1] = local.numel()
+        else:
+            shape[point.head_dim] = local.numel()  # type: ignore[index]
+        return local.view(shape)
+
+
+def noise_draws(
+    pert: Perturbation,
+    name: str,
+    full_shape: Sequence[int],
+    step: int = 0,
+    microbatch: Any = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The random draws of ``pert`` at probe ``name`` for the *full* tensor (seq dim: every position the model
+    can see): ``n`` standard normal (gaussian), else ``u`` uniform in [0, 1) and, for bit flips, ``bit``.
+    ``microbatch`` is ``(data-parallel rank, microbatch)`` for activations and ``None`` for weights."""
+    generator = torch.Generator(device=device).manual_seed(_seed_of(pert.seed, pert.kind, step, microbatch, name))
+    shape = list(full_shape)
+    if pert.kind == "gaussian":
+        return {"n": torch.randn(shape, generator=generator, device=device)}
+    draws = {"u": torch.rand(shape, generator=generator, device=device)}
+    if pert.kind == "bitflip":
+        # 0..63, taken modulo the dtype's width (8/16/32/64 all divide 64: still uniform)
+        draws["bit"] = torch.randint(0, 64, shape, generator=generator, device=device)
+    return draws
+
+
+def _apply(
+    pert: Perturbation, x: torch.Tensor, draws: Mapping[str, torch.Tensor], heads: Optional[torch.Tensor]
+) -> torch.Tensor:
+    s = pert.strength
+    if pert.kind == "gaussian":
+        noise = draws["n"].to(x.dtype) * s
+        return x + (noise if heads is None else noise * heads)
+    if pert.kind == "uniform":
+        spread = (draws["u"] * 2 - 1) * s
+        factor = 1 + (spread if heads is None else spread * heads)
+        return x * factor.to(x.dtype)
+    hit = draws["u"] < s
+    if heads is not None:
+        hit = hit & heads
+    if pert.kind == "zero":
+        return x * (~hit).to(x.dtype)
+    if pert.kind == "stuck":
+        return torch.where(hit, torch.full_like(x, pert.value), x)
+    # bitflip: flip one uniformly chosen bit of the element's own representation; straight-through gradient.
+    width = torch.finfo(x.dtype).bits if x.is_floating_point() else torch.iinfo(x.dtype).bits
+    as_int = x.detach().contiguous().view(_INT_VIEWS[width])
+    bit = draws["bit"] % width
+    mask = torch.bitwise_left_shift(torch.ones_like(bit), bit).to(as_int.dtype) * hit.to(as_int.dtype)
+    flipped = torch.bitwise_xor(as_int, mask).view(x.dtype)
+    return x + (flipped - x).detach()
+
+
+@contextmanager
+def perturb(
+    model: Any,
+    site: Optional[str] = None,
+    kind: Kind = "gaussian",
+    strength: float = 0.0,
+    seed: int = 0,
+    *,
+    layers: Optional[Sequence[int]] = None,
+    heads: Optional[Sequence[int]] = None,
+    value: float = 0.0,
+    perturbations: Sequence[Perturbation | Mapping[str, Any]] = (),
+) -> Iterator[Perturber]:
+    """Perturb ``site`` (and/or every item of ``perturbations``) while inside; see the module docstring.
+
+    Every rank must enter it (each perturbs its own shard); nothing is communicated.
+    """
+    items = [p if isinstance(p, Perturbation) else Perturbation.from_dict(p) for p in perturbations]
+    if site is not None:
+        items.insert(
+            0,
+            Perturbation(
+                site, kind, strength, seed, tuple(layers) if layers else None, tuple(heads) if heads else None, value
+            ),
+        )
+    if not items:
+        raise MegatronConfigError("perturb(): name a site (or pass perturbations=[...]).")
+    perturber = Perturber(model, items)
+    perturber.attach()
+    try:
+        yield perturber
+    finally:
+        perturber.detach()

@@ -1,0 +1,301 @@
+"""Functions that run inside forked ranks for the MegaScope library tests (see ``distributed.py``)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_megatron import MegatronAppStrategy
+from lightning_megatron.models import GPTModule
+from lightning_megatron.scope import capture, perturb
+from lightning_megatron.scope.perturb import Perturbation, noise_draws
+
+GPT2_STYLE = dict(vocab_size=120, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4)
+LLAMA_STYLE = dict(
+    GPT2_STYLE,
+    num_query_groups=2,
+    activation="swiglu",
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+)
+BATCH, SEQ = 4, 12
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 120, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def build(world: int, model: dict[str, Any], **layout: Any) -> tuple[pl.Trainer, GPTModule]:
+    """A GPTModule at a layout (split-invariant init: the same weights at every layout), chunks built."""
+    module = GPTModule(**{**model, "init_method_std": 0.2})
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=MegatronAppStrategy(micro_batch_size=2, timeout=60, **layout),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    seq = model["seq_length"]
+    probe = {"tokens": torch.zeros(BATCH, seq, dtype=torch.long), "labels": torch.zeros(BATCH, seq, dtype=torch.long)}
+    trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)
+    return trainer, module
+
+
+def batch_of(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"tokens": ids, "labels": torch.roll(ids, -1, dims=1)}
+
+
+def captures_at_layout(world: int, model: dict[str, Any], names: Any = None, **layout: Any) -> Optional[dict]:
+    """Forward a fixed batch through the pipeline schedule (2 microbatches) and capture ``names``."""
+    trainer, module = build(world, model, **layout)
+    with capture(module, names) as cache:
+        trainer.strategy.forward_backward(batch_of(tokens()), forward_only=True)
+    return {name: cache[name] for name in cache} if cache.is_server else None
+
+
+def grads(module: GPTModule) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in module.named_parameters():
+        grad = getattr(param, "main_grad", None)
+        out[name] = (grad if grad is not None else param.grad).detach().clone()
+    return out
+
+
+def perturbed_gradients(world: int, model: dict[str, Any], pert: dict[str, Any], **layout: Any) -> dict[str, Any]:
+    """Gradients of the loss of one batch (plain autograd through the chunks) under ``perturb`` and under an
+    explicit reference that adds the same draws by hand; the clean weights before and after."""
+    trainer, module = build(world, model, **layout)
+    chunk = module.model_chunks[0]
+    ids = tokens(1)
+    positions = torch.arange(SEQ).expand_as(ids)
+
+    def loss_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        logits = chunk(input_ids=ids, position_ids=positions, attention_mask=None)
+        loss = logits.float().pow(2).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    state_before = {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    clean_loss, clean = loss_and_grads()
+    with perturb(module, **pert):
+        loss, perturbed = loss_and_grads()
+        state_inside = {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    spec = Perturbation(**pert)
+    reference_loss, reference = _explicit_reference(module, chunk, spec, loss_and_grads)
+    zero_loss, zero = None, None
+    with perturb(module, **{**pert, "strength": 0.0}):
+        zero_loss, zero = loss_and_grads()
+    return {
+        "clean_loss": clean_loss,
+        "loss": loss,
+        "reference_loss": reference_loss,
+        "zero_loss": zero_loss,
+        "clean": clean,
+        "perturbed": perturbed,
+        "reference": reference,
+        "zero": zero,
+        "params": sorted(n for n, p in module.named_parameters()),
+        "state_unchanged": all(torch.equal(state_before[k], state_inside[k]) for k in state_before),
+    }
+
+
+def _explicit_reference(module: GPTModule, chunk: torch.nn.Module, spec: Perturbation, run: Any) -> Any:
+    """The same perturbation written out by hand (gaussian only), independent of MegaScope's hooks: a plain
+    forward hook adding the full-tensor draws (residual stream: replicated), or a weight edited in a copy."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    layer_index = int(spec.site.split(".")[1])
+    layer = next(m for m in chunk.decoder.layers if int(m.layer_number) - 1 == layer_index)
+    if spec.site.endswith("hook_resid_post"):
+        full = noise_draws(
+            spec, spec.site, [module.hparams.seq_length, BATCH, module.hparams.hidden_size], microbatch=(0, 0)
+        )["n"]
+
+        def add(mod: torch.nn.Module, args: Any, output: Any) -> Any:
+            return (output[0] + spec.strength * full[: output[0].shape[0]], *output[1:])
+
+        handle = layer.register_forward_hook(add)
+        try:
+            return run()
+        finally:
+            handle.remove()
+    # attn.W_QKV: column-parallel, rows split by TP rank
+    weight = layer.self_attention.linear_qkv.weight
+    full_shape = [weight.shape[0] * tp, weight.shape[1]]
+    draws = noise_draws(spec, spec.site, full_shape, microbatch=None)["n"]
+    local = draws.chunk(tp, dim=0)[tp_rank]
+    clean = weight.detach().clone()
+    loss, grads = None, None
+    with torch.no_grad():
+        weight.add_(spec.strength * local)
+    try:
+        loss, grads = run()
+    finally:
+        with torch.no_grad():
+            weight.copy_(clean)
+    return loss, grads
+
+
+class ByteTokenizer:
+    """Token id = byte value modulo the model's vocabulary (tests need no trained tokenizer)."""
+
+    vocab_size = 120
+    eod_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [b % 120 for b in text.encode()]
+
+    def decode(self, ids: Any) -> str:
+        return "".join(chr(32 + i % 95) for i in ids)
+
+
+def engine_events(
+    world: int, model: dict[str, Any], request: dict[str, Any], perturbations: Any = (), **layout: Any
+) -> Any:
+    """Run one generation request through ``ScopeEngine`` at a layout (every rank in the command loop, the
+    request on the serving rank as the server would give it); the serving rank returns the events."""
+    import threading
+
+    from lightning_megatron.scope import collect
+    from lightning_megatron.scope.engine import ScopeEngine
+
+    trainer, module = build(world, model, **layout)
+    engine = ScopeEngine(module, ByteTokenizer())
+    collect.scope_group()
+    events: list[dict[str, Any]] = []
+    if perturbations:
+        engine.set_perturbations(perturbations)
+    if not collect.is_distributed():
+        engine.generate(request, events.append, lambda: False)
+        return events
+    if collect.rank() == 0:
+        errors: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                engine.generate(request, events.append, lambda: False)
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+            finally:
+                engine.shutdown()
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        engine.run_command_loop(idle_seconds=0.2)
+        thread.join()
+        if errors:
+            raise errors[0]
+        return events
+    engine.run_command_loop()
+    return None
+
+
+class _Client(pl.Callback):
+    """Drives a live MegaScope server from inside the serving rank, as a browser would: once the fit starts,
+    a real Socket.IO client connects with the token, sets a perturbation, steps the paused run twice, waits
+    for those steps' events, then resumes it."""
+
+    def __init__(self, scope: Any, perturbation: dict[str, Any]) -> None:
+        self.scope = scope
+        self.perturbation = perturbation
+        self.events: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.thread: Any = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import threading
+
+        if trainer.is_global_zero:
+            self.thread = threading.Thread(target=self._drive, daemon=True)
+            self.thread.start()
+
+    def _drive(self) -> None:
+        import time
+        import urllib.parse
+
+        import socketio
+
+        server = self.scope.server
+        token = urllib.parse.parse_qs(urllib.parse.urlparse(server.url).query)["token"][0]
+        from lightning_megatron.scope.protocol import ProtocolError, validate_event
+
+        client = socketio.Client()
+
+        def on_event(event: dict[str, Any]) -> None:
+            try:
+                validate_event(event)  # what the server sent is what the schema promises
+            except ProtocolError as err:
+                self.errors.append(f"{event.get('type')}: {err}")
+            self.events.append(event)
+
+        client.on("event", on_event)
+        client.connect(
+            f"http://127.0.0.1:{server.port}", auth={"token": token}, transports=["websocket"], wait_timeout=10
+        )
+
+        def request(body: dict[str, Any]) -> None:
+            client.emit("request", {"v": 1, **body})
+
+        def wait_for(predicate: Any, timeout: float = 60.0) -> bool:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if any(predicate(e) for e in list(self.events)):
+                    return True
+                time.sleep(0.05)
+            self.errors.append(f"timed out waiting; events: {[e.get('type') for e in self.events][-10:]}")
+            return False
+
+        request({"type": "set_perturbations", "id": "p1", "perturbations": [{**self.perturbation, "enabled": True}]})
+        request({"type": "train", "id": "s1", "action": "step", "steps": 2})
+        wait_for(lambda e: e.get("type") == "train_step" and e.get("step") == 1)
+        time.sleep(0.5)  # the run is paused after two steps: no third may arrive
+        self.steps_while_paused = sorted(
+            {e["step"] for e in self.events if e.get("type") == "train_step" and e.get("step", -1) >= 0}
+        )
+        request({"type": "train", "id": "r1", "action": "resume"})
+        wait_for(lambda e: e.get("type") == "train_step" and e.get("step") == 3)
+        client.disconnect()
+
+
+def fit_with_scope(world: int, model: dict[str, Any], perturbation: dict[str, Any], **layout: Any) -> dict[str, Any]:
+    """Four training steps followed (and driven) by a live MegaScope server and client."""
+    from cases import fit_gpt
+
+    from lightning_megatron.scope.callback import MegaScope
+
+    records: list[tuple[int, list[str]]] = []
+    scope = MegaScope(
+        probes=[{"name": "blocks.*.hook_resid_post", "reduce": [{"kind": "mean", "axis": -1}]}],
+        interval=1,
+        start_paused=True,
+        on_step=lambda step, recs, metrics: records.append((step, sorted({r.name for r in recs}))),
+        command_timeout=0.2,
+    )
+    client = _Client(scope, perturbation)
+    logged: list[dict[str, float]] = []
+
+    class Metrics(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("scope/")})
+
+    result = fit_gpt(world, model=model, steps=4, callbacks=[scope, client, Metrics()], **layout)
+    if client.thread is not None:
+        client.thread.join(timeout=30)
+    out = {"loss": result["loss"], "logged": logged, "history": scope.history, "records": records}
+    if client.thread is not None:
+        out.update(
+            events=[{k: v for k, v in e.items() if k != "data"} for e in client.events],
+            errors=client.errors,
+            steps_while_paused=getattr(client, "steps_while_paused", None),
+            server_stopped=scope.server is None,
+        )
+    return out

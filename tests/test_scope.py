@@ -1,0 +1,181 @@
+"""MegaScope's library: captures are layout-invariant, perturbations keep gradients exact (real gloo ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from scope_cases import GPT2_STYLE, LLAMA_STYLE, captures_at_layout, engine_events, fit_with_scope, perturbed_gradients
+
+LAYOUTS = {
+    "tp2": (2, dict(tensor_model_parallel_size=2)),
+    "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "pp2-vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    "tp2-pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(ranks: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every probe point at TP1 (one rank), for both model styles."""
+    return {
+        style: ranks.run(1, captures_at_layout, 1, model)[0]
+        for style, model in (("gpt2", GPT2_STYLE), ("llama", LLAMA_STYLE))
+    }
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_captures_equal_at_every_layout(ranks: Any, reference: Any, style: str, layout: str) -> None:
+    world, kwargs = LAYOUTS[layout]
+    model = GPT2_STYLE if style == "gpt2" else LLAMA_STYLE
+    got = ranks.run(world, captures_at_layout, world, model, **kwargs)[0]
+    want = reference[style]
+    assert sorted(got) == sorted(want), "the same probe points exist at every layout"
+    assert len(want) == 1 + 4 * (12 if style == "gpt2" else 13) + 2
+    for name, tensor in want.items():
+        assert got[name].shape == tensor.shape, name
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "pert",
+    [
+        dict(site="blocks.1.hook_resid_post", kind="gaussian", strength=0.3, seed=5),
+        dict(site="blocks.0.attn.W_QKV", kind="gaussian", strength=0.05, seed=7),
+    ],
+    ids=["residual", "weight"],
+)
+@pytest.mark.parametrize("world,tp", [(1, 1), (2, 2)], ids=["tp1", "tp2"])
+def test_perturbed_gradients_match_an_explicit_reference(ranks: Any, pert: dict, world: int, tp: int) -> None:
+    results = ranks.run(world, perturbed_gradients, world, LLAMA_STYLE, pert, tensor_model_parallel_size=tp)
+    for r in results:
+        assert r["loss"] != r["clean_loss"], "the perturbation changed nothing"
+        torch.testing.assert_close(r["loss"], r["reference_loss"], rtol=0, atol=1e-6)
+        assert sorted(r["perturbed"]) == r["params"], "every parameter upstream of the injection gets a gradient"
+        for name, grad in r["reference"].items():
+            torch.testing.assert_close(r["perturbed"][name], grad, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            assert r["perturbed"][name].abs().sum() > 0, name
+        # strength 0 and leaving the context are exact; the weights were never edited
+        assert torch.equal(r["zero_loss"], r["clean_loss"])
+        for name, grad in r["clean"].items():
+            assert torch.equal(r["zero"][name], grad), name
+        assert r["state_unchanged"]
+
+
+GENERATE = {
+    "id": "g1",
+    "prompts": ["In the", "And God said"],
+    "max_new_tokens": 4,
+    "temperature": 0,
+    "alternatives": 3,
+    "probes": [
+        {"name": "blocks.*.hook_resid_post", "reduce": [{"kind": "downsample", "axis": -1, "bins": 8}]},
+        {"name": "blocks.2.mlp.hook_post"},
+    ],
+    "attention": {"layers": [1, 3], "heads": [0, 3]},
+    "pca": True,
+}
+
+
+def _by_kind(events: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for event in events:
+        out.setdefault(event["type"], []).append(event)
+    return out
+
+
+@pytest.fixture(scope="module")
+def generation_reference(ranks: Any) -> list[dict]:
+    return ranks.run(1, engine_events, 1, LLAMA_STYLE, GENERATE)[0]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2-vpp2", "tp2-sp"])
+def test_generation_probes_equal_at_every_layout(ranks: Any, generation_reference: list[dict], layout: str) -> None:
+    """The engine streams the same tokens, alternatives, probes, attention rows and PCA at any layout."""
+    world, kwargs = LAYOUTS[layout]
+    got = _by_kind(ranks.run(world, engine_events, world, LLAMA_STYLE, GENERATE, **kwargs)[0])
+    want = _by_kind(generation_reference)
+    assert [e["type"] for e in generation_reference][0] == "start"
+    assert [[t["id"] for t in e["tokens"]] for e in got["token"]] == [
+        [t["id"] for t in e["tokens"]] for e in want["token"]
+    ]
+    assert got["finish"][0]["texts"] == want["finish"][0]["texts"]
+    for kind in ("probe", "attention", "pca"):
+        assert len(got[kind]) == len(want[kind]), kind
+        for a, b in zip(got[kind], want[kind]):
+            assert (a.get("name"), a.get("layer"), a.get("start"), a.get("end")) == (
+                b.get("name"),
+                b.get("layer"),
+                b.get("start"),
+                b.get("end"),
+            )
+            data = "coords" if kind == "pca" else "data"
+            if kind == "pca":  # principal axes are defined up to sign
+                torch.testing.assert_close(a[data].abs(), b[data].abs(), rtol=1e-3, atol=1e-4)
+            else:
+                torch.testing.assert_close(a[data], b[data], rtol=1e-4, atol=1e-5)
+    for a, b in zip(got["token"], want["token"]):
+        for alts_a, alts_b in zip(a["alternatives"], b["alternatives"]):
+            assert [x["id"] for x in alts_a] == [x["id"] for x in alts_b]
+            assert [x["p"] for x in alts_a] == pytest.approx([x["p"] for x in alts_b], abs=1e-5)
+
+
+def test_generation_events_are_complete(generation_reference: list[dict]) -> None:
+    events = _by_kind(generation_reference)
+    prompts = events["start"][0]["prompts"]
+    assert [len(p["ids"]) for p in prompts] == [6, 12]
+    positions = [e["position"] for e in events["token"]]
+    assert positions == list(range(6, 12 + 4)), "one token event per position after the shortest prompt"
+    # every position up to the last forward is covered once by each probe, in order
+    for name in ["blocks.0.hook_resid_post", "blocks.3.hook_resid_post", "blocks.2.mlp.hook_post"]:
+        spans = [(e["start"], e["end"]) for e in events["probe"] if e["name"] == name]
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (name, spans)
+        assert spans[-1][1] == positions[-1]
+    first = next(e for e in events["probe"] if e["name"] == "blocks.0.hook_resid_post")
+    assert tuple(first["data"].shape) == (2, 6, 8)  # [prompts, positions, bins]
+    attention = [e for e in events["attention"] if e["layer"] == 1]
+    assert tuple(attention[0]["data"].shape) == (2, 2, 6, 6) and tuple(attention[1]["data"].shape) == (2, 2, 1, 7)
+    rows = attention[0]["data"].sum(-1)
+    torch.testing.assert_close(rows, torch.ones_like(rows))  # probabilities
+    assert {e["layer"] for e in events["pca"]} == {0, 1, 2, 3}
+    assert tuple(events["pca"][0]["coords"].shape) == (2, positions[-1], 2)
+    assert all(len(a) == 3 for e in events["token"] for a in e["alternatives"])
+
+
+def test_training_callback_streams_every_stage_and_obeys_the_client(ranks: Any) -> None:
+    """MegaScope on a PP2 fit: a real client on the live server sets a perturbation and steps the paused run;
+    probes come from both pipeline stages; the perturbation's effect is logged; the server stops at fit end."""
+    from cases import fit_gpt
+
+    perturbation = {"site": "blocks.1.hook_resid_post", "kind": "gaussian", "strength": 0.5, "seed": 3}
+    clean = ranks.run(2, fit_gpt, 2, steps=4, pipeline_model_parallel_size=2)[0]
+    results = ranks.run(2, fit_with_scope, 2, {}, perturbation, pipeline_model_parallel_size=2, timeout=240)
+    served = results[0]
+    assert served["errors"] == [], served["errors"]
+    assert served["steps_while_paused"] == [0, 1], "'step 2' ran exactly two steps, then the run paused"
+    steps = [e["step"] for e in served["events"] if e["type"] == "train_step" and e.get("loss") is not None]
+    assert steps == [0, 1, 2, 3]
+    probes = [e for e in served["events"] if e["type"] == "probe"]
+    assert {e["layer"] for e in probes} == {0, 1, 2, 3}, "layers of both pipeline stages are streamed"
+    assert {e["microbatch"] for e in probes} == {0, 1, 2, 3}
+    assert [step for step, _ in served["records"]] == [0, 1, 2, 3]
+    # the perturbation (set before the first step) changed training, and its effect was logged on every rank
+    for r in results:
+        assert r["loss"][0] != pytest.approx(clean["loss"][0], abs=1e-4)
+        assert all(m["scope/perturbed"] == 1.0 for m in r["logged"])
+        assert all(abs(m["scope/delta_loss"]) > 0 for m in r["logged"])
+    assert served["history"][0]["clean_loss"] == pytest.approx(clean["loss"][0], rel=1e-5), (
+        "clean loss = unperturbed run's"
+    )
+    assert served["server_stopped"]
+
+
+def test_engine_events_follow_the_protocol_schema(generation_reference: list[dict]) -> None:
+    """Every event the engine emits, encoded as the server sends it, is valid under the shipped schema."""
+    from lightning_megatron.scope.protocol import encode_event, validate_event
+
+    for event in generation_reference:
+        validate_event(encode_event({"v": 1, **event}))
