@@ -10,24 +10,25 @@ times in one process:
 
 * ``plain``: ``GPTModule.generate``;
 * ``off``: the MegaScope engine with nothing requested (no probes, alternatives or attention: no hooks);
-* ``default``: the engine through a real ``ScopeServer`` and Socket.IO client on 127.0.0.1, with the
+* ``default``: the engine through a real ``ScopeServer`` and a Socket.IO client in another process, with the
   default probes (residual stream, attention and MLP outputs of every layer, 64 bins) and 5 alternatives;
 * ``all``: every probe point of every layer (64 bins each), every layer's attention rows, top-10
   alternatives, and PCA at the end.
 
 Per case: seconds per generated token (wall time of the generation over new positions), and for the served
 cases the token-computed-to-client-received latency (the engine stamps each token event; the client notes
-its arrival; same clock), p50/p95. Training: ``MegaScope(interval=2, window=1)`` with the default probes on
-the same model shape, every other step sampled; median sampled / unsampled step time.
+its arrival; same clock), p50/p95. Training: ``MegaScope(interval=2, window=1)`` with the default training
+probes (per-token norms of every layer's residual, attention and MLP outputs) on the same model shape,
+every other step sampled; median sampled / unsampled step time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,26 +61,11 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _build(model: dict[str, Any], gpu: bool) -> Any:
-    import lightning.pytorch as pl
-    import torch
-    from torch.utils.data import DataLoader
-
-    from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.models import GPTModule
+    from lightning_megatron.models.loading import prepare
 
     module = GPTModule(**model, layer_spec="sdpa")
-    trainer = pl.Trainer(
-        accelerator="gpu" if gpu else "cpu",
-        devices=1,
-        strategy=MegatronAppStrategy(),
-        precision="bf16-mixed" if gpu else "32-true",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    probe = {"tokens": torch.zeros(1, 16, dtype=torch.long), "labels": torch.zeros(1, 16, dtype=torch.long)}
-    trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)
+    prepare(module, accelerator="gpu" if gpu else "cpu", precision="bf16-mixed" if gpu else "32-true")
     return module
 
 
@@ -90,10 +76,27 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _client(url: str, commands: Any, answers: Any) -> None:
+    """A client in its own process, as a browser is (its decoding must not compete with the model for the GIL):
+    runs each generate request it is given to its finish event and answers with the token-to-client
+    latencies (the engine stamps each token event with the time the token was decided; same machine, same clock)."""
+    from lightning_megatron.scope.client import ScopeClient
+
+    with ScopeClient(url) as client:
+        while (request := commands.get()) is not None:
+            client.send(request)
+            received = [(time.time(), event) for event in client.events()]
+            answers.put(
+                {
+                    "latency_ms": [1e3 * (t - e["t"]) for t, e in received if e.get("type") == "token"],
+                    "events": len(received),
+                    "errors": [e for _, e in received if e.get("type") == "error"],
+                }
+            )
+
+
 def generation(model: dict[str, Any], gpu: bool, rounds: int, new_tokens: int) -> dict[str, Any]:
     import random
-
-    import socketio
 
     from lightning_megatron.scope.engine import DEFAULT_PROBES, ScopeEngine
     from lightning_megatron.scope.server import ScopeServer
@@ -118,72 +121,58 @@ def generation(model: dict[str, Any], gpu: bool, rounds: int, new_tokens: int) -
     }
     positions = max(len(p) for p in ids) + new_tokens - min(len(p) for p in ids)  # forwards after the prefill
     server = ScopeServer(engine, max_queue=1 << 16).start()
-    token = server.url.split("token=")[1]
-    client = socketio.Client()
-    received: list[tuple[float, dict[str, Any]]] = []
-    done = threading.Event()
-
-    def on_event(event: dict[str, Any]) -> None:
-        received.append((time.time(), event))
-        if event.get("type") in ("finish", "error"):
-            done.set()
-
-    client.on("event", on_event)
-    client.connect(f"http://127.0.0.1:{server.port}", auth={"token": token}, transports=["websocket"], wait_timeout=10)
+    # The client is another process, as a browser is: its decoding must not compete with the model for the GIL.
+    ctx = multiprocessing.get_context("spawn")
+    commands, answers = ctx.Queue(), ctx.Queue()
+    client = ctx.Process(target=_client, args=(server.url, commands, answers), daemon=True)
+    client.start()
     results: dict[str, Any] = {
-        name: {"s_per_token": [], "latency_ms": [], "events": []} for name in ("plain", *requests)
+        name: {"s_per_token": [], "latency_ms": [], "events": [], "scope_share": []} for name in ("plain", *requests)
     }
-    counter = iter(range(1 << 30))
-
-    def served(name: str) -> float:
-        received.clear()
-        done.clear()
-        start = time.perf_counter()
-        client.emit("request", {"v": 1, "type": "generate", "id": f"{name}{next(counter)}", **requests[name]})
-        if not done.wait(600):
-            raise RuntimeError(f"{name}: no finish event")
-        elapsed = time.perf_counter() - start
-        errors = [e for _, e in received if e.get("type") == "error"]
-        if errors:
-            raise RuntimeError(f"{name}: {errors[0]}")
-        results[name]["latency_ms"] += [
-            1e3 * (t - e["t"]) for t, e in received if e.get("type") == "token" and "t" in e
-        ]
-        results[name]["events"].append(len(received))
-        return elapsed
-
     for round_index in range(rounds + 1):  # round 0 warms up every path (compilation, allocator, caches)
         for name in ("plain", "off", "default", "all"):
             print(f"generation round {round_index}: {name}", flush=True)
             _sync()
+            start = time.perf_counter()
             if name == "plain":
-                start = time.perf_counter()
                 module.generate(ids, new_tokens, temperature=0)
-                _sync()
-                elapsed = time.perf_counter() - start
             elif name == "off":
-                start = time.perf_counter()
                 engine.generate({**requests["off"], "id": "off"}, lambda event: None, lambda: False)
-                _sync()
-                elapsed = time.perf_counter() - start
             else:
-                elapsed = served(name)
+                commands.put({"v": 1, "type": "generate", "id": f"{name}{round_index}", **requests[name]})
+                answer = answers.get(timeout=600)
+                if answer["errors"]:
+                    raise RuntimeError(f"{name}: {answer['errors'][0]}")
+            _sync()
+            elapsed = time.perf_counter() - start
             if round_index:
                 results[name]["s_per_token"].append(elapsed / positions)
-            else:
-                results[name]["latency_ms"].clear()
-                results[name]["events"].clear()
-    client.disconnect()
+                if name != "plain":
+                    results[name]["scope_share"].append(
+                        engine.last_stats["scope_seconds"] / engine.last_stats["seconds"]
+                    )
+                if name in ("default", "all"):
+                    results[name]["latency_ms"] += answer["latency_ms"]
+                    results[name]["events"].append(answer["events"])
+    commands.put(None)
+    client.join(30)
     server.stop()
     summary: dict[str, Any] = {"positions_per_generation": positions, "prompts": [len(p) for p in ids], "cases": {}}
     plain = statistics.median(results["plain"]["s_per_token"])
     for name, r in results.items():
         med = statistics.median(r["s_per_token"])
+        # each round ran every case back to back: the median of per-round ratios cancels drift between rounds
+        paired = statistics.median(a / b for a, b in zip(r["s_per_token"], results["plain"]["s_per_token"]))
         case = {
             "ms_per_token_median": 1e3 * med,
             "ratio_to_plain": med / plain,
+            "paired_ratio_median": paired,
             "ms_per_token_runs": [1e3 * s for s in r["s_per_token"]],
         }
+        if r["scope_share"]:
+            # the time spent inside MegaScope's per-token callback (flush, events), as a share of the generation:
+            # the cost itself, free of the run-to-run noise of a launch-bound decode loop
+            case["scope_time_share_median"] = statistics.median(r["scope_share"])
         if r["latency_ms"]:
             case.update(
                 token_to_client_ms_p50=_percentile(r["latency_ms"], 0.5),

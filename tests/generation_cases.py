@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from cases import TINY_MODEL
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
-from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronAppStrategy, MegatronConfigError
+from lightning_megatron import MegatronConfigError
 from lightning_megatron.models import GenerationStep, GPTModule
+from lightning_megatron.models.loading import prepare
 
 MODEL = {**TINY_MODEL, "seq_length": 32, "init_method_std": 0.5}
 PROMPTS = [[5, 17, 99], [3, 1, 4, 1, 5, 9, 2], [42], [7, 7, 7, 7, 8]]
@@ -27,22 +26,10 @@ SAMPLING = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
 
 def build_module(world_size: int, precision: str = "32-true", **strategy: Any) -> GPTModule:
     """A GPTModule whose chunks are built (and identical across layouts), without training."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        precision=precision,
-        strategy=MegatronAppStrategy(micro_batch_size=1, timeout=60, **strategy),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
     module = GPTModule(**MODEL)
-    seq = MODEL["seq_length"]
-    # Two microbatches of one sequence: the interleaved schedule needs at least pipeline-size microbatches.
-    probe = {"tokens": torch.zeros(2, seq, dtype=torch.long), "labels": torch.zeros(2, seq, dtype=torch.long)}
-    trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)
+    prepare(
+        module, devices=world_size, accelerator="cpu", precision=precision, strategy_options={"timeout": 60}, **strategy
+    )
     return module
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.models import GPTModule
+from lightning_megatron.models.loading import prepare
 from lightning_megatron.scope import capture, perturb
 from lightning_megatron.scope.perturb import Perturbation, noise_draws
 
@@ -32,18 +32,9 @@ def tokens(seed: int = 0) -> torch.Tensor:
 def build(world: int, model: dict[str, Any], **layout: Any) -> tuple[pl.Trainer, GPTModule]:
     """A GPTModule at a layout (split-invariant init: the same weights at every layout), chunks built."""
     module = GPTModule(**{**model, "init_method_std": 0.2})
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=MegatronAppStrategy(micro_batch_size=2, timeout=60, **layout),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+    trainer = prepare(
+        module, devices=world, accelerator="cpu", micro_batch_size=2, strategy_options={"timeout": 60}, **layout
     )
-    seq = model["seq_length"]
-    probe = {"tokens": torch.zeros(BATCH, seq, dtype=torch.long), "labels": torch.zeros(BATCH, seq, dtype=torch.long)}
-    trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)
     return trainer, module
 
 
@@ -51,10 +42,12 @@ def batch_of(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"tokens": ids, "labels": torch.roll(ids, -1, dims=1)}
 
 
-def captures_at_layout(world: int, model: dict[str, Any], names: Any = None, **layout: Any) -> Optional[dict]:
+def captures_at_layout(
+    world: int, model: dict[str, Any], names: Any = None, reducers: Any = None, **layout: Any
+) -> Optional[dict]:
     """Forward a fixed batch through the pipeline schedule (2 microbatches) and capture ``names``."""
     trainer, module = build(world, model, **layout)
-    with capture(module, names) as cache:
+    with capture(module, names, reducers) as cache:
         trainer.strategy.forward_backward(batch_of(tokens()), forward_only=True)
     return {name: cache[name] for name in cache} if cache.is_server else None
 
@@ -219,51 +212,40 @@ class _Client(pl.Callback):
             self.thread.start()
 
     def _drive(self) -> None:
-        import time
-        import urllib.parse
-
-        import socketio
-
-        server = self.scope.server
-        token = urllib.parse.parse_qs(urllib.parse.urlparse(server.url).query)["token"][0]
+        from lightning_megatron.scope.client import ScopeClient
         from lightning_megatron.scope.protocol import ProtocolError, validate_event
 
-        client = socketio.Client()
-
-        def on_event(event: dict[str, Any]) -> None:
-            try:
-                validate_event(event)  # what the server sent is what the schema promises
-            except ProtocolError as err:
-                self.errors.append(f"{event.get('type')}: {err}")
-            self.events.append(event)
-
-        client.on("event", on_event)
-        client.connect(
-            f"http://127.0.0.1:{server.port}", auth={"token": token}, transports=["websocket"], wait_timeout=10
-        )
-
-        def request(body: dict[str, Any]) -> None:
-            client.emit("request", {"v": 1, **body})
-
-        def wait_for(predicate: Any, timeout: float = 60.0) -> bool:
+        def read_until(client: ScopeClient, predicate: Any, timeout: float) -> bool:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                if any(predicate(e) for e in list(self.events)):
+                try:
+                    event = client.next_event(max(0.01, deadline - time.monotonic()))
+                except TimeoutError:
+                    break
+                try:
+                    validate_event(event)  # what the server sent is what the schema promises
+                except ProtocolError as err:
+                    self.errors.append(f"{event.get('type')}: {err}")
+                self.events.append(event)
+                if predicate(event):
                     return True
-                time.sleep(0.05)
-            self.errors.append(f"timed out waiting; events: {[e.get('type') for e in self.events][-10:]}")
             return False
 
-        request({"type": "set_perturbations", "id": "p1", "perturbations": [{**self.perturbation, "enabled": True}]})
-        request({"type": "train", "id": "s1", "action": "step", "steps": 2})
-        wait_for(lambda e: e.get("type") == "train_step" and e.get("step") == 1)
-        time.sleep(0.5)  # the run is paused after two steps: no third may arrive
-        self.steps_while_paused = sorted(
-            {e["step"] for e in self.events if e.get("type") == "train_step" and e.get("step", -1) >= 0}
-        )
-        request({"type": "train", "id": "r1", "action": "resume"})
-        wait_for(lambda e: e.get("type") == "train_step" and e.get("step") == 3)
-        client.disconnect()
+        def train_step(step: int) -> Any:
+            return lambda e: e.get("type") == "train_step" and e.get("step") == step
+
+        with ScopeClient(self.scope.server.url, decode=False) as client:
+            client.send(
+                {"type": "set_perturbations", "id": "p1", "perturbations": [{**self.perturbation, "enabled": True}]}
+            )
+            client.send({"type": "train", "id": "s1", "action": "step", "steps": 2})
+            if not read_until(client, train_step(1), 60):
+                self.errors.append("no train_step 1")
+            read_until(client, lambda e: False, 0.5)  # paused after two steps: nothing more may come
+            self.steps_while_paused = sorted({e["step"] for e in self.events if e.get("type") == "train_step"})
+            client.send({"type": "train", "id": "r1", "action": "resume"})
+            if not read_until(client, train_step(3), 60):
+                self.errors.append("no train_step 3")
 
 
 def fit_with_scope(world: int, model: dict[str, Any], perturbation: dict[str, Any], **layout: Any) -> dict[str, Any]:

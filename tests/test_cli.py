@@ -79,6 +79,72 @@ def test_tiny_recipe_trains_through_the_cli(tmp_path: Path) -> None:
     assert (
         len(lines) == 1 and lines[0].startswith("--- And God said") and len(lines[0]) > len("--- And God said") + 5
     ), lines
+    check_scope_sweep(checkpoint, tmp_path)
+    check_scope_serve(checkpoint, tmp_path)
+
+
+def check_scope_sweep(checkpoint: Path, cwd: Path) -> None:
+    """`scope sweep` on the run's own validation data writes the table, the CSV and the heat map."""
+    out = cwd / "sweep"
+    args = ["scope", "sweep", str(checkpoint), "--layers", "0", "3", "--sites", "system", "storage"]
+    run_cli([*args, "--strengths", "0.5", "--batches", "1", "--grad-norm", "-o", str(out)], cwd=cwd)
+    with open(out / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["layer"], r["site"]) for r in rows] == [
+        ("0", "system"),
+        ("0", "storage"),
+        ("3", "system"),
+        ("3", "storage"),
+    ]
+    assert all(float(r["grad_norm"]) > 0 for r in rows)
+    assert max(abs(float(r["delta_loss"])) for r in rows) > 1e-3, "a strength-0.5 perturbation moves the loss"
+    assert (out / "sweep.png").stat().st_size > 10_000 and "| layer |" in (out / "sweep.md").read_text()
+
+
+def check_scope_serve(checkpoint: Path, cwd: Path) -> None:
+    """`scope serve` at TP2 on two processes answers a real client; a perturbation changes the text and turning
+    it off restores it; Ctrl-C ends every rank."""
+    import re
+    import signal
+
+    from lightning_megatron.scope.client import ScopeClient
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "lightning_megatron.cli", "scope", "serve", str(checkpoint), "--port", "0"]
+    command += ["--accelerator", "cpu", "--devices", "2", "--tensor-model-parallel-size", "2"]
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        url = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            found = re.search(r"http://127\.0\.0\.1:\d+/\?token=[\w-]+", line)
+            if found:
+                url = found.group(0)
+                break
+        assert url, "the server printed its address"
+        request = {"type": "generate", "prompts": ["And God said", "In the"], "max_new_tokens": 8}
+        perturbation = {"site": "storage", "kind": "gaussian", "strength": 0.5, "seed": 1, "layers": [0]}
+        texts = {}
+        with ScopeClient(url) as client:
+            for name, perturbations in (("clean", []), ("noisy", [perturbation]), ("off", [])):
+                client.send(
+                    {
+                        "type": "set_perturbations",
+                        "id": f"p{name}",
+                        "perturbations": [{**p, "enabled": True} for p in perturbations],
+                    }
+                )
+                assert client.next_event(60)["type"] == "ack"
+                client.send({"id": name, **request})
+                events = list(client.events(timeout=120))
+                assert events[-1]["type"] == "finish", events[-1]
+                texts[name] = events[-1]["texts"]
+        assert texts["clean"][0].startswith("And God said") and texts["noisy"] != texts["clean"]
+        assert texts["off"] == texts["clean"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
 
 
 def test_strategy_by_registered_name(tmp_path: Path) -> None:

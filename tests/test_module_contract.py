@@ -106,14 +106,14 @@ def test_contract_violations_get_clear_errors(ranks: Any) -> None:
 def greedy_continuation(module: Any) -> Any:
     prompt = torch.arange(5).view(1, 5) % 128
     try:
-        return module.generate(prompt, 6, temperature=0).tolist()
+        return module.generate(prompt, 6, temperature=0).tokens
     except Exception as err:  # noqa: BLE001
         return type(err).__name__, str(err)
 
 
 def test_generation_is_layout_independent(ranks: Any) -> None:
-    """Greedy continuation of the same (untrained, split-invariant) model: one process and TP2 agree; PP2
-    cannot generate and says how to (checkpoints load at PP1)."""
+    """Greedy continuation of the same (untrained, split-invariant) model, right after fit: one process, TP2 and
+    PP2 agree (tests/test_generation.py covers the other layouts and the generation options)."""
     untrained = {"lr": 0.0}
     single = ranks.run(1, fit_gpt, 1, steps=1, model=untrained, probe=greedy_continuation)[0]["probe"]
     assert len(single[0]) == 11
@@ -124,5 +124,4 @@ def test_generation_is_layout_independent(ranks: Any) -> None:
     for result in ranks.run(
         2, fit_gpt, 2, steps=1, model=untrained, probe=greedy_continuation, pipeline_model_parallel_size=2
     ):
-        kind, message = result["probe"]
-        assert kind == "MegatronConfigError" and "pipeline_model_parallel_size=1" in message
+        assert result["probe"] == single

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 import pytest
@@ -179,3 +180,26 @@ def test_engine_events_follow_the_protocol_schema(generation_reference: list[dic
 
     for event in generation_reference:
         validate_event(encode_event({"v": 1, **event}))
+
+
+REDUCERS = {
+    "blocks.*.hook_resid_post": [{"kind": "downsample", "axis": -1, "bins": 8}],  # reduced on each rank's shard
+    "blocks.*.attn.hook_q": [{"kind": "norm", "axis": -1}],  # per head: heads are split, head_dim is whole
+    "blocks.*.mlp.hook_post": [{"kind": "absmax", "axis": -1}],  # the reduced axis is split: after assembly
+    "blocks.*.attn.hook_z": [{"kind": "topk", "k": 3, "axis": -1}],  # heads folded into the last dim
+}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "tp2-pp2"])
+def test_reduced_captures_equal_at_every_layout(ranks: Any, reference: Any, layout: str) -> None:
+    """Reducers mean the same at every layout, whether they ran on the shards (GPU-side) or after assembly."""
+    from lightning_megatron.scope.reducers import apply_reducers, parse_reducers
+
+    world, kwargs = LAYOUTS[layout]
+    got = ranks.run(world, captures_at_layout, world, LLAMA_STYLE, list(REDUCERS), REDUCERS, **kwargs)[0]
+    for name, full in reference["llama"].items():
+        chain = next((parse_reducers(c) for p, c in REDUCERS.items() if fnmatch.fnmatchcase(name, p)), None)
+        if chain is None:
+            continue
+        want = apply_reducers(full, chain).tensor
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -3,10 +3,8 @@ bits) and the engine. Skipped without CUDA; run on the device machine (results i
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,22 +26,11 @@ MODEL = dict(
 
 
 def _build(spec: str):  # noqa: ANN202
-    from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.models import GPTModule
+    from lightning_megatron.models.loading import prepare
 
     module = GPTModule(**MODEL, layer_spec=spec, init_method_std=0.05)
-    trainer = pl.Trainer(
-        accelerator="gpu",
-        devices=1,
-        strategy=MegatronAppStrategy(),
-        precision="bf16-mixed",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    probe = {"tokens": torch.zeros(1, 16, dtype=torch.long), "labels": torch.zeros(1, 16, dtype=torch.long)}
-    trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)
+    prepare(module, accelerator="gpu", precision="bf16-mixed")
     return module
 
 

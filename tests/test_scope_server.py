@@ -1,5 +1,6 @@
 """MegaScope's server against real clients: a real server on 127.0.0.1, real ``socketio.Client``s over
-websocket, plain HTTP for the page, and a real tiny GPT generating on CPU in this process."""
+websocket, plain HTTP for the page, and the real ``ScopeEngine`` over a tiny GPT generating on CPU in this
+process (a scripted engine only to send what a model would not)."""
 
 from __future__ import annotations
 
@@ -14,24 +15,24 @@ import queue
 import socket
 import threading
 import time
+from collections import Counter
 from typing import Any, Optional
 
-import lightning.pytorch as pl
 import numpy as np
 import pytest
 import socketio
 import torch
 import websocket
 from jsonschema import Draft202012Validator
-from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
-from torch.utils.data import DataLoader
 
-from lightning_megatron import MegatronAppStrategy, MegatronConfigError
+from lightning_megatron import MegatronConfigError
 from lightning_megatron.compat import megatron as compat_megatron
 from lightning_megatron.models import GPTModule
+from lightning_megatron.models.loading import prepare
 from lightning_megatron.scope import protocol
+from lightning_megatron.scope.engine import ScopeEngine
 from lightning_megatron.scope.server import TOKEN_ENV, ScopeServer
 
 VOCAB, SEQ = 128, 32
@@ -43,78 +44,47 @@ def encode(text: str) -> list[int]:
     return [byte % VOCAB for byte in text.encode()]
 
 
-class TinyEngine:
-    """Streams ``GPTModule.generate`` token by token: token events from ``on_token`` (which also checks
-    ``cancelled()``), one probe event per token with the first layer's output at the position the token was
-    predicted from. ``delay`` slows each token down (for busy/stop tests)."""
+class ByteTokenizer:
+    """Byte-level: one token per byte of the UTF-8 text (the tests' prompts are ASCII, within VOCAB)."""
 
-    def __init__(self, module: GPTModule, delay: float = 0.0) -> None:
-        chunk = unwrap_model(module.model_chunks[0])
-        self.module, self.delay = module, delay
-        self.layer = next(m for m in chunk.modules() if isinstance(m, TransformerLayer))
-        self.perturbations: list = []
-        self.threads: set[str] = set()
+    def encode(self, text: str) -> list[int]:
+        return encode(text)
 
-    def describe(self) -> dict:
-        model = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": VOCAB, "seq_length": SEQ}
-        return {
-            "mode": "generate",
-            "model": model,
-            "probes": [PROBE],
-            "perturbation_kinds": ["zero"],
-            "perturbations": self.perturbations,
-        }
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
 
-    def set_perturbations(self, perturbations: list) -> None:
-        self.perturbations = perturbations
 
-    def control(self, request: dict) -> None:
-        raise MegatronConfigError("this engine generates; it does not train")
+def real_engine(module: GPTModule) -> ScopeEngine:
+    return ScopeEngine(module, ByteTokenizer())
 
-    def generate(self, request: dict, emit, cancelled) -> None:
-        self.threads.add(threading.current_thread().name)
-        rows = [encode(text) for text in request["prompts"]]
-        emit(
-            {
-                "type": "start",
-                "prompts": [{"ids": torch.tensor(r, dtype=torch.int32), "tokens": [chr(t) for t in r]} for r in rows],
-            }
-        )
-        captured: dict[str, torch.Tensor] = {}
-        hook = self.layer.register_forward_hook(lambda _m, _a, out: captured.__setitem__("resid", out[0].detach()))
 
-        def on_token(step) -> bool:
-            if request.get("probes"):
-                resid = captured["resid"]  # [positions, batch, hidden] of the pass that predicted this token
-                emit(
-                    {
-                        "type": "probe",
-                        "name": PROBE,
-                        "layer": 0,
-                        "start": step.position - 1,
-                        "end": step.position,
-                        "data": resid[-1],
-                    }
-                )
-            probs = step.logits.softmax(-1)
-            top = probs.topk(request["alternatives"], dim=-1)
-            tokens = [
-                {"id": int(t), "text": chr(int(t)), "p": float(probs[i, t]), "in_prompt": bool(p), "done": bool(d)}
-                for i, (t, p, d) in enumerate(zip(step.tokens, step.in_prompt, step.done))
-            ]
-            alternatives = [
-                [{"id": int(j), "text": chr(int(j)), "p": v} for v, j in zip(top.values[i], top.indices[i])]
-                for i in range(len(rows))
-            ]
-            emit({"type": "token", "position": step.position, "tokens": tokens, "alternatives": alternatives})
-            time.sleep(self.delay)
-            return cancelled()
+def first_layer(module: GPTModule) -> TransformerLayer:
+    return next(m for m in unwrap_model(module.model_chunks[0]).modules() if isinstance(m, TransformerLayer))
 
-        try:
-            out = self.module.generate(rows, request["max_new_tokens"], temperature=0, on_token=on_token)
-        finally:
-            hook.remove()
-        emit({"type": "finish", "texts": ["".join(map(chr, r)) for r in out.tokens], "reasons": out.stop_reasons})
+
+class HeldEngine(ScopeEngine):
+    """The real engine, its first generation held in its first forward until the server cancels it: a generation
+    that cannot end on its own (for the busy, stop and cancel tests). ``forwards[request id]`` counts each
+    generation's forwards; ``hold`` is the first layer's forward pre-hook."""
+
+    def __init__(self, module: GPTModule) -> None:
+        super().__init__(module, ByteTokenizer())
+        self.forwards: Counter = Counter()
+        self.running: tuple = ("", lambda: False)
+        self.held = False
+
+    def generate(self, request, emit, cancelled) -> None:
+        self.running = (request["id"], cancelled)
+        super().generate(request, emit, cancelled)
+
+    def hold(self, _layer, _args) -> None:
+        rid, cancelled = self.running
+        self.forwards[rid] += 1
+        if not self.held:
+            self.held = True
+            deadline = time.monotonic() + 20
+            while not cancelled() and time.monotonic() < deadline:
+                time.sleep(0.005)
 
 
 class ScriptedEngine:
@@ -155,40 +125,31 @@ def module():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     module = GPTModule(vocab_size=VOCAB, seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=MegatronAppStrategy(),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    batch = {"tokens": torch.zeros(1, 16, dtype=torch.long), "labels": torch.zeros(1, 16, dtype=torch.long)}
-    trainer.validate(module, DataLoader([batch], batch_size=None), verbose=False)
+    prepare(module, accelerator="cpu")
     yield module
-    release_process_groups()
+    # Every process group of this process destroyed and unreferenced, so their destructors run here, not in a
+    # forked child.
+    compat_megatron.release_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(threads)
 
 
-def release_process_groups() -> None:
-    """Destroy every process group of this process and drop each reference to one, so their destructors run
-    here and not in a forked child."""
-    parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for name, value in list(vars(parallel_state).items()):  # destroy_model_parallel leaves a few set
-        if isinstance(value, torch.distributed.ProcessGroup):
-            setattr(parallel_state, name, None)
-    compat_megatron._MODEL_PARALLEL_GROUPS.clear()  # the strategy's record of the groups it created
-    gc.collect()
+@pytest.fixture
+def server(module):
+    with ScopeServer(real_engine(module)) as running:
+        yield running
 
 
 @pytest.fixture
-def server(module):
-    with ScopeServer(TinyEngine(module)) as running:
-        yield running
+def held(module):
+    engine = HeldEngine(module)
+    hook = first_layer(module).register_forward_pre_hook(engine.hold)
+    yield engine
+    hook.remove()
 
 
 # -- clients ------------------------------------------------------------------------------------------------
@@ -290,7 +251,7 @@ def test_schema_is_valid_and_matches_the_module():
 
 # -- access -------------------------------------------------------------------------------------------------
 def test_token_is_required_to_connect(server):
-    wrong = "x" + server.token[1:]
+    wrong = ("y" if server.token.startswith("x") else "x") + server.token[1:]  # one character off
     for auth in (None, {}, {"token": ""}, {"token": 123}, {"token": wrong}, {"token": "\ud800"}, server.token):
         with pytest.raises(socketio.exceptions.ConnectionError):
             socketio.Client(reconnection=False).connect(
@@ -303,24 +264,36 @@ def test_token_is_required_to_connect(server):
 
 def test_token_from_environment_and_url(module, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "a-token-of-twenty-chars")
-    with ScopeServer(TinyEngine(module)) as server:
+    with ScopeServer(real_engine(module)) as server:
         assert server.token == "a-token-of-twenty-chars"
         assert server.url == f"http://127.0.0.1:{server.port}/?token=a-token-of-twenty-chars"
     monkeypatch.setenv(TOKEN_ENV, "short")
     with pytest.raises(MegatronConfigError, match="16 characters"):
-        ScopeServer(TinyEngine(module))
+        ScopeServer(real_engine(module))
     monkeypatch.delenv(TOKEN_ENV)
-    assert len(ScopeServer(TinyEngine(module)).token) >= 32
+    assert len(ScopeServer(real_engine(module)).token) >= 32
 
 
-def test_page_needs_token_and_sends_security_headers(server, caplog):
+@pytest.mark.parametrize("bundle", ["shipped", "missing"])
+def test_page_needs_token_and_sends_security_headers(module, tmp_path, caplog, bundle):
+    """The page (the shipped web UI, or a self-contained notice when the bundle is missing) needs the token
+    and comes with the security headers."""
     caplog.set_level(logging.DEBUG, logger="lightning_megatron.scope")
+    static = {"shipped": None, "missing": tmp_path}[bundle]
+    with ScopeServer(real_engine(module), static_dir=static) as server:
+        _check_page(server, bundle, caplog)
+
+
+def _check_page(server: ScopeServer, bundle: str, caplog: Any) -> None:
     assert http_get(server.port, "/")[0].status == 401
     assert http_get(server.port, "/?token=nope")[0].status == 403
     response, body = http_get(server.port, f"/?token={server.token}")
     assert response.status == 200
-    assert b"protocol version 1" in body and b"not built" in body
-    assert b"src=" not in body and b"href=" not in body  # self-contained
+    if bundle == "missing":
+        assert b"protocol version 1" in body and b"not built" in body
+        assert b"src=" not in body and b"href=" not in body  # self-contained
+    else:
+        assert b'<div id="app">' in body and b"/static/assets/" in body
     headers = {k.lower(): v for k, v in response.getheaders()}
     assert headers["referrer-policy"] == "no-referrer"
     assert headers["x-content-type-options"] == "nosniff"
@@ -347,7 +320,7 @@ def test_foreign_host_and_origin_are_refused(server):
 
 def test_non_loopback_host_warns_and_needs_token(module, caplog):
     with caplog.at_level(logging.WARNING, logger="lightning_megatron.scope"):
-        with ScopeServer(TinyEngine(module), host="0.0.0.0") as server:
+        with ScopeServer(real_engine(module), host="0.0.0.0") as server:
             assert "reachable from other machines" in caplog.text
             assert server.url.startswith(f"http://127.0.0.1:{server.port}/?token=")
             with pytest.raises(socketio.exceptions.ConnectionError):
@@ -362,7 +335,7 @@ def test_static_files_stay_in_their_folder(module, tmp_path):
     (static / "index.html").write_text("<title>the bundle</title>")
     (static / "assets" / "app.js").write_text("console.log(1)")
     (tmp_path / "secret.txt").write_text("secret")
-    with ScopeServer(TinyEngine(module), static_dir=static) as server:
+    with ScopeServer(real_engine(module), static_dir=static) as server:
         port = server.port
         assert http_get(port, f"/?token={server.token}")[1] == b"<title>the bundle</title>"
         response, body = http_get(port, "/static/assets/app.js")
@@ -444,8 +417,8 @@ def test_hostile_and_malformed_messages_get_errors_naming_the_field(client):
     assert client.next()["code"] == "unknown_type"
     client.sio.emit("request", (ping("a"), ping("b")))
     assert client.next()["code"] == "bad_request"
-    # the engine's own refusal (prompt + tokens longer than the model's 32 positions) is a bad_request
-    client.send(generate("long", ["x" * 30], max_new_tokens=8))
+    # the engine's own refusal (a prompt as long as the model's 32 positions) is a bad_request
+    client.send(generate("long", ["x" * SEQ], max_new_tokens=8))
     reply = client.until(lambda e: e["type"] in ("finish", "error"))[-1]
     assert (reply["type"], reply["code"], reply["id"]) == ("error", "bad_request", "long")
     assert client.ask(ping("end"))["type"] == "pong"
@@ -498,35 +471,57 @@ def test_info_ack_and_train_refusal(client):
     info = client.ask({"v": 1, "type": "info", "id": "i"})
     assert info["type"] == "info" and info["protocol"] == 1
     assert info["server"]["max_message_bytes"] == protocol.MAX_MESSAGE_BYTES
-    assert info["engine"]["probes"] == [PROBE]
-    perturbations = [{"site": PROBE, "kind": "zero", "strength": 0.5}]
-    assert client.ask({"v": 1, "type": "set_perturbations", "id": "s", "perturbations": perturbations})["type"] == "ack"
+    engine = info["engine"]
+    assert PROBE in engine["probes"] and engine["model"]["vocab_size"] == VOCAB and engine["perturbations"] == []
+    perturbation = {"site": PROBE, "kind": "zero", "strength": 0.5}
+    reply = client.ask({"v": 1, "type": "set_perturbations", "id": "s", "perturbations": [perturbation]})
+    assert reply == {"v": 1, "type": "ack", "id": "s"}
+    assert [
+        {key: p[key] for key in perturbation}
+        for p in client.ask({"v": 1, "type": "info", "id": "i2"})["engine"]["perturbations"]
+    ] == [perturbation]
+    bad = {"site": PROBE, "kind": "zero", "heads": [0]}  # valid to the schema; the engine refuses it
+    reply = client.ask({"v": 1, "type": "set_perturbations", "id": "s2", "perturbations": [bad]})
+    assert (reply["type"], reply["code"], reply["id"]) == ("error", "bad_request", "s2")
+    assert "needs sites with heads" in reply["message"]
     reply = client.ask({"v": 1, "type": "train", "id": "t", "action": "step"})
     assert (reply["type"], reply["code"], reply["id"]) == ("error", "bad_request", "t")
-    assert "does not train" in reply["message"]
+    assert "training controls need" in reply["message"]
 
 
 # -- generation -----------------------------------------------------------------------------------------------
-def reference_residuals(module: GPTModule, tokens: list[int]) -> torch.Tensor:
-    """The first layer's output at every position of ``tokens`` ([seq, hidden]), by one full forward."""
-    layer = next(m for m in unwrap_model(module.model_chunks[0]).modules() if isinstance(m, TransformerLayer))
+def reference_forward(module: GPTModule, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first layer's output ([seq, hidden]) and the logits ([seq, VOCAB]) at every position of ``ids``, by one
+    plain forward of the model (no KV cache, no MegaScope)."""
+    chunk = module.model_chunks[0]
     captured: dict[str, torch.Tensor] = {}
 
-    def keep(_module, _args, output) -> None:
-        captured.setdefault("resid", output[0].detach())
+    def keep(_layer, _args, output) -> None:
+        captured["resid"] = output[0].detach()
 
-    hook = layer.register_forward_hook(keep)
+    hook = first_layer(module).register_forward_hook(keep)
+    modes = [(m, m.training) for m in chunk.modules()]
+    chunk.eval()
     try:
-        module.generate([tokens], 1, temperature=0)  # the prefill pass computes every position of tokens
+        with torch.no_grad():
+            tokens = torch.tensor([ids])
+            logits = chunk(input_ids=tokens, position_ids=torch.arange(len(ids)).unsqueeze(0), attention_mask=None)
     finally:
         hook.remove()
-    return captured["resid"][:, 0].float()
+        for m, training in modes:
+            m.training = training
+    return captured["resid"][:, 0].float(), logits[0, :, :VOCAB].float()
 
 
 def test_generate_streams_tokens_and_probes(module, server, client):
     prompts, n = ["Hello", "Hi"], 6
-    client.send(generate("g", prompts, max_new_tokens=n, alternatives=3, probes=[{"name": PROBE}]))
-    events = client.until(lambda e: e["type"] in ("finish", "error"))
+    threads: set[str] = set()
+    watch = first_layer(module).register_forward_pre_hook(lambda *_: threads.add(threading.current_thread().name))
+    try:
+        client.send(generate("g", prompts, max_new_tokens=n, alternatives=3, probes=[{"name": PROBE}]))
+        events = client.until(lambda e: e["type"] in ("finish", "error"))
+    finally:
+        watch.remove()
     kinds = [e["type"] for e in events]
     assert kinds[0] == "start" and kinds[-1] == "finish", kinds
     assert all(e["id"] == "g" for e in events)
@@ -538,34 +533,45 @@ def test_generate_streams_tokens_and_probes(module, server, client):
     expected = module.generate([encode(p) for p in prompts], n, temperature=0)
     finish = events[-1]
     assert finish["reasons"] == ["length", "length"]
-    assert finish["texts"] == ["".join(map(chr, row)) for row in expected.tokens]
+    assert finish["texts"] == [bytes(row).decode() for row in expected.tokens]
 
     tokens = [e for e in events if e["type"] == "token"]
     probes = [e for e in events if e["type"] == "probe"]
     assert len(tokens) == len(probes) == len(expected.tokens[0]) - len(prompts[1])
-    assert kinds[1:3] == ["probe", "token"]  # a pass's probes come before its token
-    references = [reference_residuals(module, row) for row in expected.tokens]
+    assert kinds[1:3] == ["token", "probe"]  # a position's token comes before the probes of its forward
+    references = [reference_forward(module, row) for row in expected.tokens]
+    covered = 0
     for token, probe in zip(tokens, probes):
         position = token["position"]
-        assert (probe["start"], probe["end"]) == (position - 1, position)
-        assert len(token["alternatives"][0]) == 3
+        # each probe holds the positions its forward computed: the shorter prompt first, then one at a time
+        assert (probe["name"], probe["layer"], probe["start"], probe["end"]) == (PROBE, 0, covered, position)
+        covered = position
         data = protocol.decode_array(probe["data"])
-        assert probe["data"]["dtype"] == "float16" and data.shape == (2, 32)
-        for row, (ids, reference) in enumerate(zip(expected.tokens, references)):
+        assert probe["data"]["dtype"] == "float16" and data.shape == (2, probe["end"] - probe["start"], 32)
+        for row, (ids, (resid, logits)) in enumerate(zip(expected.tokens, references)):
             entry = token["tokens"][row]
             if position < len(ids):
-                assert entry["id"] == ids[position]
-            if not (entry["in_prompt"] or entry["done"]):
-                top = token["alternatives"][row][0]
-                assert top["id"] == entry["id"] and top["p"] == entry["p"]
-            if position - 1 < len(ids):
+                assert entry["id"] == ids[position] and entry["text"] == chr(ids[position])
+            stop = min(position, len(ids))
+            np.testing.assert_allclose(
+                data[row, : stop - probe["start"]].astype(np.float32),
+                resid[probe["start"] : stop],
+                rtol=1e-2,
+                atol=1e-2,
+            )
+            if position < len(ids):  # the alternatives: a softmax top-3 of the logits that predicted this position
+                probs = logits[position - 1].softmax(-1)
+                alternatives = token["alternatives"][row]
+                np.testing.assert_allclose([a["p"] for a in alternatives], probs.topk(3).values, rtol=1e-4, atol=1e-5)
                 np.testing.assert_allclose(
-                    data[row].astype(np.float32), reference[position - 1].numpy(), rtol=1e-2, atol=1e-2
+                    [a["p"] for a in alternatives], probs[[a["id"] for a in alternatives]], atol=1e-5
                 )
+                if not (entry["in_prompt"] or entry["done"]):
+                    assert alternatives[0]["id"] == entry["id"]  # greedy
     # "Hi" generates while "Hello" still reads its prompt
     assert tokens[0]["tokens"][0]["in_prompt"] and not tokens[0]["tokens"][1]["in_prompt"]
     assert client.ask(ping("again"))["type"] == "pong"
-    assert server.engine.threads == {"megascope-generate"}  # never a connection's thread
+    assert threads == {"megascope-generate"}  # the model ran on the generation worker, never a connection's thread
 
 
 def test_publish_reaches_every_client(server):
@@ -599,17 +605,17 @@ def test_publish_reaches_every_client(server):
         server.publish({"type": "finish", "texts": [], "reasons": []})
 
 
-def test_busy_and_stop(module):
-    with ScopeServer(TinyEngine(module, delay=0.1)) as server:
+def test_busy_and_stop(held):
+    with ScopeServer(held) as server:
         client, other = Client(server), Client(server)
         client.send(generate("long", ["ab"], max_new_tokens=29))
-        assert client.next()["type"] == "start"
-        assert client.next()["type"] == "token"
+        assert client.next()["type"] == "start"  # the generation now waits in its first forward
         reply = other.ask(generate("second", ["cd"], max_new_tokens=2))
         assert (reply["type"], reply["code"], reply["id"]) == ("error", "busy", "second")
         assert other.ask({"v": 1, "type": "stop", "id": "halt"}) == {"v": 1, "type": "ack", "id": "halt"}
         events = client.until(lambda e: e["type"] == "finish")
-        assert events[-1]["reasons"] == ["callback"]  # stopped before its 29 tokens
+        assert [e["type"] for e in events if e["type"] != "probe"] == ["token", "finish"]
+        assert events[-1]["reasons"] == ["callback"] and held.forwards["long"] == 1  # stopped at its first token
         # the next generation is accepted at once
         other.send(generate("third", ["cd"], max_new_tokens=2))
         assert other.until(lambda e: e["type"] in ("finish", "error"))[-1]["type"] == "finish"
@@ -617,9 +623,8 @@ def test_busy_and_stop(module):
         other.close()
 
 
-def test_client_leaving_cancels_its_generation(module):
-    engine = TinyEngine(module, delay=0.1)
-    with ScopeServer(engine) as server:
+def test_client_leaving_cancels_its_generation(held):
+    with ScopeServer(held) as server:
         leaving = Client(server)
         leaving.send(generate("g", ["ab"], max_new_tokens=29))
         assert leaving.next()["type"] == "start"
@@ -632,8 +637,10 @@ def test_client_leaving_cancels_its_generation(module):
             if reply["type"] == "start" or time.monotonic() > deadline:
                 break
             assert reply["code"] == "busy"
-            time.sleep(0.1)
+            time.sleep(0.05)
         assert reply["type"] == "start"
+        assert held.forwards["g"] == 1  # cancelled at its first token
+        assert other.until(lambda e: e["type"] == "finish")[-1]["texts"][0].startswith("cd")
         other.close()
 
 
@@ -743,7 +750,7 @@ def test_slow_client_gets_dropped_counts(module):
 
 def test_stop_frees_port_and_threads(module):
     before = set(threading.enumerate())
-    server = ScopeServer(TinyEngine(module)).start()
+    server = ScopeServer(real_engine(module)).start()
     port = server.port
     client = Client(server)
     client.send(generate("g", ["ab"], max_new_tokens=2))
@@ -761,7 +768,7 @@ def test_stop_frees_port_and_threads(module):
     assert not left, [t.name for t in left]
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    again = ScopeServer(TinyEngine(module), port=port).start()
+    again = ScopeServer(real_engine(module), port=port).start()
     assert again.port == port
     second = Client(again)
     assert second.ask(ping())["type"] == "pong"

@@ -12,7 +12,10 @@ touches lives on the CPU. Measured on megatron-core 0.16.1 with a CPU-only torch
 
 ``apply()`` redirects each of these to the CPU, so that megatron-core's own schedules, DDP, optimizers
 and dist_checkpointing run unchanged on gloo. The strategy calls it only for CPU runs, in a process
-where no GPU is visible (the redirection is process-wide and would otherwise hide real GPUs).
+where no GPU is visible (the redirection is process-wide and would otherwise hide real GPUs). Part of
+it, the redirection of ``device="cuda"`` and of ``tensor.type()``, is a torch-function mode, and those
+are per thread: ``apply()`` enters it in the calling thread (the one that trains), and any other thread
+that runs megatron-core code runs it inside ``with cpu_thread():`` (MegaScope's server does).
 
 It is deliberately the only place in the project that patches a third-party module. Nothing here is
 needed, or applied, on GPUs.
@@ -22,15 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply", "is_applied"]
+__all__ = ["apply", "cpu_thread", "is_applied"]
 
 _lock = threading.Lock()
 _applied = False
+_thread = threading.local()  # .redirected: this thread is inside the redirection mode
 
 
 class _NoOpStream:
@@ -121,6 +126,25 @@ def is_applied() -> bool:
     return _applied
 
 
+@contextlib.contextmanager
+def cpu_thread() -> Iterator[None]:
+    """Run megatron-core on CPU in this thread too, for the duration of the block.
+
+    ``apply()`` covers the thread that called it; a thread started to run the model elsewhere (a server's
+    worker) needs this around that work, or megatron-core's ``device="cuda"`` tensors fail there. A no-op
+    when ``apply()`` was not called (GPU runs), in the thread that called it, and when nested.
+    """
+    if not _applied or getattr(_thread, "redirected", False):
+        yield
+        return
+    _thread.redirected = True
+    try:
+        with _CudaToCpuMode():
+            yield
+    finally:
+        _thread.redirected = False
+
+
 def apply() -> None:
     """Make megatron-core run on CPU in this process. Idempotent; refuses when a GPU is visible."""
     global _applied
@@ -138,4 +162,5 @@ def apply() -> None:
         # thread that trains (Lightning's main thread), where megatron-core's schedules, optimizer and
         # checkpointing run.
         _CudaToCpuMode().__enter__()
+        _thread.redirected = True
         _applied = True

@@ -1,5 +1,6 @@
 """Workarounds for megatron-core 0.16, in one place: a process its checkpoint writer spawns, a pipeline
-communication bug, and a checkpoint-loading bug of its distributed optimizer without Transformer Engine.
+communication bug, a checkpoint-loading bug of its distributed optimizer without Transformer Engine, and process
+groups its ``destroy_model_parallel`` forgets without destroying.
 Each function says what it works around and how it was found; drop them as megatron-core fixes these.
 """
 
@@ -11,9 +12,10 @@ import torch
 
 __all__ = [
     "batched_p2p_is_safe",
-    "initialize_model_parallel",
     "finish_distributed_optimizer_load",
+    "initialize_model_parallel",
     "prepare_distributed_optimizer_load",
+    "release_model_parallel",
     "use_in_process_checkpoint_results",
 ]
 
@@ -117,12 +119,33 @@ def initialize_model_parallel(**kwargs) -> None:
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    if parallel_state.model_parallel_is_initialized() or _MODEL_PARALLEL_GROUPS:
+        release_model_parallel()
+    before = set(distributed_c10d._world.pg_map)
+    parallel_state.initialize_model_parallel(**kwargs)
+    _MODEL_PARALLEL_GROUPS.extend(g for g in distributed_c10d._world.pg_map if g not in before)
+
+
+def release_model_parallel() -> None:
+    """Undo ``initialize_model_parallel`` completely, leaving the default (world) group alone.
+
+    Calls megatron-core's ``destroy_model_parallel``, destroys in torch.distributed the groups the last
+    ``initialize_model_parallel`` above created, and clears the module globals megatron-core 0.16.1's
+    ``destroy_model_parallel`` leaves pointing at a group (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO``, found by listing ``parallel_state``'s globals after it).
+    Afterwards neither megatron-core's parallel state nor torch.distributed's registry holds those groups, so they
+    are freed in this process once the model built on them goes: a process that forks later (a test suite's rank
+    pool) would otherwise hand its children gloo groups whose destructors segfault or hang there. The model can no
+    longer run collectives. Idempotent, and a no-op before any ``initialize_model_parallel``.
+    """
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
+
+    parallel_state.destroy_model_parallel()
     for group in _MODEL_PARALLEL_GROUPS:
         if group in distributed_c10d._world.pg_map:
             torch.distributed.destroy_process_group(group)
     _MODEL_PARALLEL_GROUPS.clear()
-    before = set(distributed_c10d._world.pg_map)
-    parallel_state.initialize_model_parallel(**kwargs)
-    _MODEL_PARALLEL_GROUPS.extend(g for g in distributed_c10d._world.pg_map if g not in before)
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, torch.distributed.ProcessGroup):
+            setattr(parallel_state, name, None)

@@ -1,8 +1,10 @@
 """A trained model at any parallel layout, ready to generate or evaluate: from a run's checkpoint or a
 Hugging Face directory.
 
-Contract: ``load_model(checkpoint=..., hf=..., devices=..., **layout)`` returns ``Loaded(trainer, module,
-tokenizer, config)`` on every rank the Trainer runs (Lightning launches the other ranks itself when
+Contract: ``prepare(module, devices=..., **layout)`` builds a module's chunks at a layout without training
+(its own initialization, or a checkpoint's weights with ``ckpt_path``) and returns the Trainer that holds them;
+``load_model(checkpoint=..., hf=..., devices=..., **layout)`` returns ``Loaded(trainer, module, tokenizer,
+config)`` on every rank the Trainer runs (Lightning launches the other ranks itself when
 ``devices > 1``, as for ``fit``). A checkpoint written by ``lightning-megatron fit`` carries its
 ``config.yaml``: which model class to build (``model.class_path`` / ``init_args``), the tokenizer of its
 data and the precision; its shards load at any layout through the strategy (a one-batch validation).
@@ -24,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["Loaded", "class_from_config", "load_model", "model_from_config"]
+__all__ = ["Loaded", "class_from_config", "load_model", "model_from_config", "prepare"]
 
 
 @dataclass
@@ -56,6 +58,39 @@ def model_from_config(section: dict[str, Any]) -> pl.LightningModule:
     return cls(**section.get("init_args", {}))
 
 
+def prepare(
+    module: Any,
+    *,
+    devices: int = 1,
+    accelerator: str = "auto",
+    precision: str = "32-true",
+    micro_batch_size: int = 1,
+    ckpt_path: Optional[str] = None,
+    strategy_options: Optional[dict[str, Any]] = None,
+    **layout: Any,
+) -> pl.Trainer:
+    """Build ``module``'s chunks at ``layout`` (and load ``ckpt_path`` through the strategy, at any saved
+    layout) with a one-batch validation; returns the Trainer. Every rank calls it."""
+    from lightning_megatron import MegatronAppStrategy
+
+    seq = module.hparams.seq_length
+    # enough microbatches for the interleaved schedule (at least the pipeline size)
+    batch = micro_batch_size * max(2, int(layout.get("pipeline_model_parallel_size", 1)))
+    probe = {"tokens": torch.zeros(batch, seq, dtype=torch.long), "labels": torch.zeros(batch, seq, dtype=torch.long)}
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=MegatronAppStrategy(micro_batch_size=micro_batch_size, **layout, **(strategy_options or {})),
+        precision=precision,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.validate(module, DataLoader([probe], batch_size=None), ckpt_path=ckpt_path, verbose=False)
+    return trainer
+
+
 def load_model(
     checkpoint: Optional[str] = None,
     *,
@@ -69,7 +104,6 @@ def load_model(
     **layout: Any,
 ) -> Loaded:
     """Build and load the model at ``layout`` (``MegatronAppStrategy`` arguments); see the module docstring."""
-    from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data.tokenizers import load_tokenizer
 
     if (checkpoint is None) == (hf is None):
@@ -103,18 +137,13 @@ def load_model(
         tokenizer = tokenizer or str(directory)
         precision = precision or "32-true"
     tok = load_tokenizer(tokenizer)
-    seq = module.hparams.seq_length
-    batch = micro_batch_size * max(2, int(layout.get("pipeline_model_parallel_size", 1)))
-    probe = {"tokens": torch.zeros(batch, seq, dtype=torch.long), "labels": torch.zeros(batch, seq, dtype=torch.long)}
-    trainer = pl.Trainer(
-        accelerator=accelerator,
+    trainer = prepare(
+        module,
         devices=devices,
-        strategy=MegatronAppStrategy(micro_batch_size=micro_batch_size, **layout),
+        accelerator=accelerator,
         precision=precision,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+        micro_batch_size=micro_batch_size,
+        ckpt_path=checkpoint,
+        **layout,
     )
-    trainer.validate(module, DataLoader([probe], batch_size=None), ckpt_path=checkpoint, verbose=False)
     return Loaded(trainer, module, tok, config)

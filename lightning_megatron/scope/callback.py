@@ -27,12 +27,19 @@ import torch
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
 from lightning_megatron.scope.capture import Capture, Record
-from lightning_megatron.scope.engine import DEFAULT_PROBES
 from lightning_megatron.scope.perturb import KINDS, Perturbation, Perturber
-from lightning_megatron.scope.reducers import apply_reducers, parse_reducers
+from lightning_megatron.scope.reducers import parse_reducers
 from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
 
-__all__ = ["MegaScope"]
+__all__ = ["DEFAULT_TRAINING_PROBES", "MegaScope"]
+
+DEFAULT_TRAINING_PROBES: tuple[dict[str, Any], ...] = tuple(
+    {"name": f"blocks.*.{site}", "reduce": [{"kind": "norm", "axis": -1}]}
+    for site in ("hook_resid_post", "hook_attn_out", "hook_mlp_out")
+)
+"""Per token, the size of each layer's residual stream and of its attention and MLP contributions: the
+signal of activation growth and outliers in training, reduced on the GPU to one number per token (a training
+step's full activations are gigabytes)."""
 
 _log = logging.getLogger(__name__)
 
@@ -41,8 +48,9 @@ class MegaScope(pl.Callback):
     """Stream probes of sampled training steps and take pause/resume/step/perturbation commands.
 
     Args:
-        probes: ``[{"name": glob, "reduce": [reducer, ...]}, ...]`` (see ``scope.reducers``); default: the
-            residual stream, attention and MLP outputs of every layer, downsampled to 64 bins.
+        probes: ``[{"name": glob, "reduce": [reducer, ...]}, ...]`` (see ``scope.reducers``); default
+            (``DEFAULT_TRAINING_PROBES``): the norm per token of every layer's residual stream, attention and
+            MLP outputs.
         interval, window, start_step: Capture steps ``s >= start_step`` with
             ``(s - start_step) % interval < window`` (as ``MegaScan``).
         perturbations: Active from the first step (``Perturbation`` objects or mappings).
@@ -74,7 +82,9 @@ class MegaScope(pl.Callback):
                 f"MegaScope(interval={interval}, window={window}, start_step={start_step}): need "
                 "1 <= window <= interval and start_step >= 0."
             )
-        self.probes = [{"name": p["name"], "reduce": list(p.get("reduce", []))} for p in (probes or DEFAULT_PROBES)]
+        self.probes = [
+            {"name": p["name"], "reduce": list(p.get("reduce", []))} for p in (probes or DEFAULT_TRAINING_PROBES)
+        ]
         self._chains = [(p["name"], parse_reducers(p["reduce"])) for p in self.probes]
         self.interval, self.window, self.start_step = interval, window, start_step
         self.perturbations = [p if isinstance(p, Perturbation) else Perturbation.from_dict(p) for p in perturbations]
@@ -164,7 +174,7 @@ class MegaScope(pl.Callback):
         self._sync_commands()
         self._batch, self._clean_loss = None, None
         if self.is_sampled(trainer.global_step):
-            self._capture = Capture(pl_module, [name for name, _ in self._chains])
+            self._capture = Capture(pl_module, [name for name, _ in self._chains], dict(self._chains))
             self._capture.attach()
             self._batch = batch
 
@@ -307,10 +317,10 @@ class MegaScope(pl.Callback):
                 **{k: metrics[k] for k in ("clean_loss", "delta_loss") if k in metrics},
             }
         )
-        for record in records:
-            for pattern, chain in self._chains:
+        for record in records:  # the capture applied each probe's reducers (on the GPU where it could)
+            for pattern, _ in self._chains:
                 if fnmatch.fnmatchcase(record.name, pattern):
-                    reduced = apply_reducers(record.tensor, chain).tensor
+                    reduced = record.tensor
                     self.server.publish(
                         {
                             "type": "probe",

@@ -36,7 +36,7 @@ import torch
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
 from lightning_megatron.scope.layout import ShardLayout
-from lightning_megatron.scope.reducers import Reducer, apply_reducers, parse_reducers
+from lightning_megatron.scope.reducers import Reduced, Reducer, apply_reducers, parse_reducers
 from lightning_megatron.scope.sites import ProbePoint, chunks_of, match_points, probe_points, vocab_size_of
 from lightning_megatron.scope.tap import Tap, strategy_of
 
@@ -75,6 +75,9 @@ class _Shard:
     tensor: Optional[torch.Tensor]
     layout: ShardLayout
     half: Optional[int]
+    reduced: bool = False
+    """The reducers already ran on this shard, on its device (``_reducible_on_shard``)."""
+    extra: Optional[torch.Tensor] = None
 
 
 class ScopeCache(Mapping[str, torch.Tensor]):
@@ -238,11 +241,18 @@ class Capture:
     def _keep(self, point: ProbePoint, tensor: Optional[torch.Tensor]) -> None:
         state, facts = self.tap.state, self.tap.facts
         layout = point.layout
+        chain = self._reducers_for(point.name)
+        reduced, extra = False, None
         if tensor is not None:
             extent = tensor.shape[layout.seq_dim] if layout.seq_dim is not None else 0
             start, end = self.tap.positions_for_seq(extent, layout.sequence_parallel_split)
-            # a copy on the tensor's device (no host sync here); ``flush`` moves them to the host in one copy
-            copy = tensor.detach().clone()
+            if chain and _reducible_on_shard(point, chain, tensor.dim(), facts.tp_size):
+                # reduce where the data is: a training step's activations shrink before they leave the GPU
+                result = apply_reducers(tensor.detach(), chain)
+                copy, extra, reduced = result.tensor, result.extra, True
+            else:
+                # a copy on the tensor's device (no host sync here); ``flush`` moves them to the host in one copy
+                copy = tensor.detach().clone()
         else:  # this rank holds none of the requested heads
             start = end = -1
             copy = None
@@ -262,6 +272,8 @@ class Capture:
                 copy,
                 point.layout,
                 point.half,
+                reduced,
+                extra,
             )
         )
 
@@ -294,7 +306,12 @@ class Capture:
         if first.half is not None:
             full = full.chunk(2, dim=layout.tp_dim)[first.half]
         logical = layout.logical(full)
-        reduced = apply_reducers(logical, self._reducers_for(first.name))
+        if first.reduced:
+            extras = [p.extra for p in present]
+            extra = None if extras[0] is None else layout.logical(layout.assemble(extras, facts.sequence_parallel))  # type: ignore[arg-type]
+            reduced = Reduced(logical, extra)
+        else:
+            reduced = apply_reducers(logical, self._reducers_for(first.name))
         return Record(
             first.name,
             first.layer,
@@ -314,6 +331,18 @@ class Capture:
         return ()
 
 
+def _reducible_on_shard(point: ProbePoint, chain: Sequence[Reducer], ndim: int, tp_size: int) -> bool:
+    """Whether the reducers give the same result on each rank's shard as on the assembled tensor: they act along
+    the last axis only (per position, per head), that axis is whole on every rank, and the logical view keeps
+    it last and unchanged (no head split, vocabulary trim or SwiGLU half)."""
+    layout = point.layout
+    if layout.heads is not None or layout.trim_last is not None or point.half is not None:
+        return False
+    if tp_size > 1 and layout.tp_dim is not None and layout.tp_dim % ndim == ndim - 1:
+        return False
+    return all(r.kind != "histogram" and r.axis % ndim == ndim - 1 for r in chain)
+
+
 def _to_host(shards: list[_Shard]) -> None:
     """Move the shards' tensors to the host with one device-to-host copy per dtype (one wait for the GPU per
     flush, instead of one per probe: each wait would stall the launch pipeline of a decoding model)."""
@@ -326,6 +355,9 @@ def _to_host(shards: list[_Shard]) -> None:
         flat = torch.cat([shard.tensor.reshape(-1) for shard in group]).cpu()  # type: ignore[union-attr]
         for shard, part in zip(group, flat.split([shard.tensor.numel() for shard in group])):  # type: ignore[union-attr]
             shard.tensor = part.view(shard.tensor.shape)  # type: ignore[union-attr]
+    for shard in shards:
+        if shard.extra is not None and shard.extra.device.type != "cpu":
+            shard.extra = shard.extra.cpu()
 
 
 def _checked_heads(heads: Optional[Sequence[int]], num_heads: int) -> Optional[list[int]]:

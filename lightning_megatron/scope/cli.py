@@ -61,6 +61,12 @@ def _load(args: argparse.Namespace, micro_batch_size: int = 1) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Rank 0 serves; the other ranks follow its commands. Ctrl-C (which a terminal sends to every rank) is
+    handled by rank 0 alone: it stops the server and tells the others to leave, so every rank exits cleanly
+    (a rank that dies first would make Lightning's launcher kill the rest)."""
+    import signal
+    import threading
+
     from lightning_megatron.scope import collect
     from lightning_megatron.scope.engine import ScopeEngine
     from lightning_megatron.scope.server import ScopeServer
@@ -69,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = ScopeEngine(loaded.module, loaded.tokenizer, eos_id=getattr(loaded.tokenizer, "eod_id", None))
     collect.scope_group()
     if collect.rank() != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         engine.run_command_loop()
         return 0
     server = ScopeServer(engine, host=args.host, port=args.port, allowed_hosts=args.allowed_host or ())
@@ -78,15 +85,16 @@ def _serve(args: argparse.Namespace) -> int:
         if collect.is_distributed():
             engine.run_command_loop()
         else:
-            import threading
-
             threading.Event().wait()
     except KeyboardInterrupt:
         print("\nMegaScope: stopping", flush=True)
     finally:
         server.stop()
         if collect.is_distributed():
-            engine.shutdown()
+            try:
+                collect.broadcast_from(0, ("shutdown",))  # the others wait in the command loop's broadcast
+            except Exception:  # noqa: BLE001  (a rank already gone: nothing to tell it)
+                pass
     return 0
 
 

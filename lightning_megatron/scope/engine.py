@@ -35,7 +35,7 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
 from lightning_megatron.scope.capture import Capture, Record
 from lightning_megatron.scope.perturb import KINDS, Perturbation, perturb
-from lightning_megatron.scope.reducers import apply_reducers, parse_reducers
+from lightning_megatron.scope.reducers import Reduced, apply_reducers, parse_reducers
 from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
 
 __all__ = ["DEFAULT_PROBES", "Limits", "ScopeEngine", "pca_2d"]
@@ -79,6 +79,9 @@ class ScopeEngine:
         self.limits = limits
         self.eos_id = eos_id
         self.perturbations: list[Perturbation] = []
+        self.last_stats: dict[str, float] = {}
+        """The last generation on this rank: ``seconds``, ``positions``, and ``scope_seconds`` spent in
+        MegaScope's per-token work (bringing captures to the serving rank, building and emitting events)."""
         self.rank = collect.rank()
         self._commands: queue.Queue[Optional[tuple]] = queue.Queue()
         config = self.chunks[0].config
@@ -215,13 +218,22 @@ class ScopeEngine:
         rid = job["id"]
         serving = self.rank == 0
         chains = [(p["name"], parse_reducers(p["reduce"])) for p in job["probes"]]
-        names = [name for name, _ in chains] + (["hook_logits"] if job["alternatives"] else [])
         layers = job["attention"]["layers"]
-        names += [f"blocks.{layer}.attn.hook_pattern" for layer in layers]
+        whole = (["hook_logits"] if job["alternatives"] else []) + [
+            f"blocks.{layer}.attn.hook_pattern" for layer in layers
+        ]
         if job["pca"]:
-            names.append("blocks.*.hook_resid_post")
+            whole.append("blocks.*.hook_resid_post")
+        # Probes are reduced by the capture (on the device, where possible) unless the engine needs the same
+        # tensor whole (alternatives, attention rows, PCA): then the engine reduces a copy.
+        needed = {n for n in self.info["probes"] if any(fnmatch.fnmatchcase(n, w) for w in whole)}
+        by_capture = {
+            name: chain for name, chain in chains if chain and not any(fnmatch.fnmatchcase(n, name) for n in needed)
+        }
+        names = [name for name, _ in chains] + whole
         heads = job["attention"]["heads"] if layers else None
-        session = Capture(self.module, names, heads=heads) if names else None  # nothing asked: no hooks at all
+        # nothing asked: no capture, no hooks at all
+        session = Capture(self.module, names, by_capture, heads=heads) if names else None
         if serving:
             emit(
                 {
@@ -236,14 +248,20 @@ class ScopeEngine:
                 }
             )
         streamed = {"end": 0}
+        stats = {"scope_seconds": 0.0, "seconds": 0.0, "positions": 0}
+        started = time.perf_counter()
         residual: dict[int, list[torch.Tensor]] = {}
 
         def on_token(step: Any) -> bool:
             decided = time.time()
+            begin = time.perf_counter()
             records = session.flush() if session is not None else []
             if serving:
-                self._emit_position(rid, step, decided, records, chains, job, streamed["end"], emit, residual)
+                self._emit_position(
+                    rid, step, decided, records, chains, by_capture, job, streamed["end"], emit, residual
+                )
             streamed["end"] = step.position
+            stats["scope_seconds"] += time.perf_counter() - begin
             return serving and cancelled()
 
         perturbations = [Perturbation.from_dict(p) for p in job["perturbations"]]
@@ -264,6 +282,9 @@ class ScopeEngine:
         finally:
             if session is not None:
                 session.detach()
+            stats["seconds"] = time.perf_counter() - started
+            stats["positions"] = streamed["end"]
+            self.last_stats = stats
         if not serving:
             return
         if job["pca"]:
@@ -294,6 +315,7 @@ class ScopeEngine:
         decided: float,
         records: list[Record],
         chains: list[tuple[str, tuple]],
+        by_capture: Mapping[str, Any],
         job: dict[str, Any],
         start: int,
         emit: Emit,
@@ -311,7 +333,8 @@ class ScopeEngine:
                 [{"id": int(i), "text": self._text(int(i)), "p": float(p)} for p, i in zip(ps, ids)]
                 for ps, ids in zip(top.values.tolist(), top.indices.tolist())
             ]
-        tokens = step.tokens.tolist()
+        # one device-to-host copy (and one wait) for the three per-row facts
+        tokens, in_prompt, done = torch.stack([step.tokens, step.in_prompt.long(), step.done.long()]).tolist()
         emit(
             {
                 "type": "token",
@@ -320,7 +343,7 @@ class ScopeEngine:
                 "position": end,
                 "tokens": [
                     {"id": t, "text": self._text(t), "in_prompt": bool(p), "done": bool(d)}
-                    for t, p, d in zip(tokens, step.in_prompt.tolist(), step.done.tolist())
+                    for t, p, d in zip(tokens, in_prompt, done)
                 ],
                 "alternatives": alternatives or [[] for _ in tokens],
             }
@@ -345,7 +368,10 @@ class ScopeEngine:
                 residual.setdefault(int(record.layer), []).append(window.float())
             for pattern, chain in chains:
                 if fnmatch.fnmatchcase(record.name, pattern):
-                    reduced = apply_reducers(window, chain)
+                    if pattern in by_capture:  # already reduced by the capture
+                        reduced = Reduced(window, None if record.extra is None else _window_extra(record, start, end))
+                    else:
+                        reduced = apply_reducers(window, chain)
                     event = {
                         "type": "probe",
                         "id": rid,
@@ -362,6 +388,10 @@ class ScopeEngine:
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+def _window_extra(record: Record, start: int, end: int) -> torch.Tensor:
+    return _window(Record(**{**vars(record), "tensor": record.extra}), start, end)
 
 
 def _window(record: Record, start: int, end: int) -> torch.Tensor:

@@ -19,13 +19,15 @@ MegatronApp's server bound 0.0.0.0 without authentication and evaluated text fro
   closed, the server goes on), validates every request against the schema and answers a bad one with an
   error naming the field; the connection stays usable;
 * calls the engine from two worker threads (generation; everything else), never from a connection's thread
-  (on CPU runs, with the CPU compatibility layer's per-thread mode entered there). One generation runs at a
-  time (another gets ``busy``); ``stop`` from any client cancels it (all hold the same token), and so does its
-  client leaving;
+  (on CPU runs, inside ``compat.cpu.cpu_thread()``). One generation runs at a time (another gets ``busy``);
+  ``stop`` from any client cancels it (all hold the same token), and so does its client leaving;
 * queues outgoing events in one bounded queue drained by one sender thread, which waits while a client's
   transport has more than a few packets unsent, so a slow client fills *this* queue and not memory: when it is
   full the oldest probe/attention events are dropped (never token, finish or error) and the client is sent a
   ``dropped`` event with the counts before its next event. A client that stops reading slows the others down.
+
+The worker threads, the queue and the sender are ``scope.delivery``'s; this module is HTTP, Socket.IO, the
+security above and what each request does.
 """
 
 from __future__ import annotations
@@ -36,13 +38,11 @@ import hmac
 import ipaddress
 import logging
 import os
-import queue
 import secrets
 import socket
 import threading
 import time
 import urllib.parse
-from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,17 +56,15 @@ from socketio.exceptions import ConnectionRefusedError
 from werkzeug.serving import WSGIRequestHandler, make_server
 
 from lightning_megatron import __version__
-from lightning_megatron.compat import cpu as compat_cpu
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.scope.delivery import Item, Outbox, Sender, Worker
 from lightning_megatron.scope.protocol import (
     BROADCAST_EVENTS,
-    DROPPABLE_EVENTS,
     GENERATION_EVENTS,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Engine,
     ProtocolError,
-    encode_event,
     request_id_of,
     validate_request,
 )
@@ -74,8 +72,6 @@ from lightning_megatron.scope.protocol import (
 __all__ = ["TOKEN_ENV", "ScopeServer"]
 
 TOKEN_ENV = "LM_SCOPE_TOKEN"
-_TRANSPORT_WINDOW = 16
-"""Engine.IO packets a client may have unsent before the sender waits for it."""
 _log = logging.getLogger(__name__)
 
 _FALLBACK_SCRIPT = 'history.replaceState(null, "", location.pathname);'
@@ -94,101 +90,11 @@ _FALLBACK_PAGE = f"""<!doctype html>
 
 
 @dataclass(eq=False)
-class _Item:
-    sid: Optional[str]  # None: every client
-    event: dict
-    droppable: bool
-    rid: Optional[str]
-
-
-@dataclass(eq=False)
 class _Generation:
     sid: str
     rid: str
     cancel: threading.Event = field(default_factory=threading.Event)
     done: bool = False
-
-
-class _Outbox:
-    """Bounded FIFO: when full, the oldest droppable item makes room (or a droppable newcomer is dropped);
-    anything else waits for room. Drops are counted per (recipient, request id)."""
-
-    def __init__(self, size: int) -> None:
-        self._size, self._items, self._closed = size, deque(), False
-        self._cond = threading.Condition()
-        self._drops: dict[tuple, Counter] = {}
-
-    def _count(self, item: _Item) -> None:
-        self._drops.setdefault((item.sid, item.rid), Counter())[item.event["type"]] += 1
-
-    def put(self, item: _Item) -> None:
-        with self._cond:
-            while len(self._items) >= self._size and not self._closed:
-                victim = next((queued for queued in self._items if queued.droppable), None)
-                if victim is not None:
-                    self._items.remove(victim)
-                    self._count(victim)
-                    break
-                if item.droppable:
-                    self._count(item)
-                    return
-                self._cond.wait()
-            if not self._closed:
-                self._items.append(item)
-                self._cond.notify_all()
-
-    def get(self) -> Optional[_Item]:
-        with self._cond:
-            while not self._items and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                return None
-            item = self._items.popleft()
-            self._cond.notify_all()
-            return item
-
-    def take_drops(self, sid: Optional[str]) -> dict[Optional[str], dict[str, int]]:
-        with self._cond:
-            keys = [key for key in self._drops if key[0] == sid]
-            return {key[1]: dict(self._drops.pop(key)) for key in keys}
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-class _Worker:
-    """One thread running jobs in order; ``submit`` refuses beyond ``limit`` pending jobs."""
-
-    def __init__(self, name: str, limit: int, stopping: threading.Event) -> None:
-        self._jobs: queue.Queue = queue.Queue()
-        self._limit, self._stopping = limit, stopping
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Callable[[], None]) -> bool:
-        if self._jobs.qsize() >= self._limit:
-            return False
-        self._jobs.put(job)
-        return True
-
-    def _run(self) -> None:
-        cpu_mode = False
-        while (job := self._jobs.get()) is not None:
-            if not cpu_mode and compat_cpu.is_applied():
-                # The CPU compatibility layer's torch-function mode is per thread; the engine runs the model here.
-                compat_cpu._CudaToCpuMode().__enter__()
-                cpu_mode = True
-            if not self._stopping.is_set():
-                try:
-                    job()
-                except Exception:  # jobs report their own errors; this keeps the worker alive
-                    _log.exception("MegaScope worker job failed")
-
-    def close(self, timeout: float) -> None:
-        self._jobs.put(None)
-        self.thread.join(timeout)
 
 
 class _BoundedWebSocket(SimpleWebSocketWSGI):
@@ -310,14 +216,15 @@ class ScopeServer:
         names = {"127.0.0.1", "localhost", "[::1]", _bracketed(self.host.lower()), *self._allowed}
         self._hosts = {f"{name}:{self.port}" for name in names} | (names if self.port == 80 else set())
         self._app = self._build_app(sorted(f"http://{host}" for host in self._hosts))
-        self._outbox = _Outbox(self._max_queue)
-        self._generate_worker = _Worker("megascope-generate", 2, self._stopping)
-        self._control_worker = _Worker("megascope-control", 16, self._stopping)
-        self._sender = threading.Thread(target=self._send_loop, name="megascope-sender", daemon=True)
+        self._outbox = Outbox(self._max_queue)
+        self._generate_worker = Worker("megascope-generate", 2, self._stopping)
+        self._control_worker = Worker("megascope-control", 16, self._stopping)
+        self._sender = Sender(
+            self._outbox, clients=self._client_list, emit=self._emit, backlog=self._backlog, stopping=self._stopping
+        )
         self._http_thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="megascope-http", daemon=True
         )
-        self._sender.start()
         self._http_thread.start()
         _log.info("MegaScope serving on %s:%d", self.host, self.port)
         return self
@@ -345,8 +252,7 @@ class ScopeServer:
             except OSError:
                 pass
         bye.join(timeout)
-        self._outbox.close()
-        self._sender.join(timeout)
+        self._sender.close(timeout)
         for worker in (self._generate_worker, self._control_worker):
             worker.close(timeout)
             if worker.thread.is_alive():
@@ -560,7 +466,7 @@ class ScopeServer:
                 raise ValueError(f"emit(): a generation sends {sorted(GENERATION_EVENTS)}, not {kind!r}")
             if generation.done:
                 return  # after finish (or after an error was reported)
-            item = self._item(generation.sid, event, generation.rid)
+            item = Item.of(generation.sid, event, generation.rid)
             if kind == "finish":
                 self._end(generation)
             self._outbox.put(item)
@@ -576,30 +482,15 @@ class ScopeServer:
             self._send(generation.sid, error.event(generation.rid), None)
 
     # -- sending ------------------------------------------------------------------------------------------
-    def _item(self, sid: Optional[str], event: dict, rid: Optional[str]) -> _Item:
-        encoded = {**encode_event(event), "v": PROTOCOL_VERSION}
-        if rid is not None:
-            encoded["id"] = rid
-        return _Item(sid, encoded, encoded["type"] in DROPPABLE_EVENTS, rid)
-
     def _send(self, sid: Optional[str], event: dict, rid: Optional[str]) -> None:
-        self._outbox.put(self._item(sid, event, rid))
+        self._outbox.put(Item.of(sid, event, rid))
 
     def _error(self, sid: str, rid: Optional[str], code: str, message: str) -> None:
         self._send(sid, ProtocolError(code, None, message).event(rid), None)
 
-    def _send_loop(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            with self._lock:
-                recipients = [item.sid] if item.sid is not None else sorted(self._clients)
-            drops = self._outbox.take_drops(item.sid)
-            for sid in recipients:
-                if not self._drained(sid):
-                    continue
-                for rid, counts in drops.items():
-                    dropped = {"v": PROTOCOL_VERSION, "type": "dropped", "counts": counts}
-                    self._emit(sid, dropped if rid is None else {**dropped, "id": rid})
-                self._emit(sid, item.event)
+    def _client_list(self) -> list[str]:
+        with self._lock:
+            return sorted(self._clients)
 
     def _emit(self, sid: str, event: dict) -> None:
         try:
@@ -607,15 +498,11 @@ class ScopeServer:
         except Exception:  # the client left meanwhile
             _log.debug("sending to %s failed", sid, exc_info=True)
 
-    def _drained(self, sid: str) -> bool:
-        """Wait until ``sid``'s transport has at most a few packets unsent; False if the client is gone."""
+    def _backlog(self, sid: str) -> Optional[int]:
+        """Packets queued in ``sid``'s Engine.IO transport and not yet written; None once it is gone."""
         server = self._sio.server
-        while not self._stopping.is_set():
-            eio_sid = server.manager.eio_sid_from_sid(sid, "/")
-            transport = server.eio.sockets.get(eio_sid) if eio_sid is not None else None
-            if transport is None or transport.closed:
-                return False
-            if transport.queue.qsize() <= _TRANSPORT_WINDOW:
-                return True
-            self._stopping.wait(0.002)
-        return False
+        eio_sid = server.manager.eio_sid_from_sid(sid, "/")
+        transport = server.eio.sockets.get(eio_sid) if eio_sid is not None else None
+        if transport is None or transport.closed:
+            return None
+        return transport.queue.qsize()
