@@ -3,6 +3,8 @@
 #                4 CPU processes) and print samples from it
 #   make test    install what is missing, then run the test suite
 #   make lint    ruff
+#   make webui   rebuild MegaScope's web UI (webui/, Node 20+) into lightning_megatron/scope/static
+#   make webui-check  the UI's type and unit tests, and the committed bundle is what webui/ builds (CI)
 # Everything goes into ./.venv (override with VENV=...). On CPU machines torch is pinned to the CPU
 # wheel first, so pip never resolves a CUDA build.
 
@@ -16,7 +18,7 @@ NATIVE := setup.py native/lmt_build.py $(wildcard native/src/*.cpp native/src/*.
 
 KJV := runs/data/kjv
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean webui webui-check
 
 setup: $(STAMP)
 
@@ -42,6 +44,18 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The bundle is committed (pip install needs no Node); its BUILD_STAMP.json lets the test suite check it without Node.
+WEBUI_DEPS := webui/node_modules/.package-lock.json
+
+$(WEBUI_DEPS): webui/package-lock.json
+	cd webui && npm ci --no-audit --no-fund
+
+webui: $(WEBUI_DEPS)
+	cd webui && npm run build
+
+webui-check: $(WEBUI_DEPS)
+	cd webui && npm run check:types && npm run typecheck && npm run format:check && npm test && npm run check:bundle
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info lightning_megatron/transport/_native*.so

@@ -82,9 +82,13 @@ GENERATE = {
 
 
 def _by_kind(events: list[dict]) -> dict[str, list[dict]]:
+    """Events by type, with wire-encoding wrappers (``protocol.Array``) unwrapped to their tensors."""
+    from lightning_megatron.scope.protocol import Array
+
     out: dict[str, list[dict]] = {}
     for event in events:
-        out.setdefault(event["type"], []).append(event)
+        plain = {k: v.value if isinstance(v, Array) else v for k, v in event.items()}
+        out.setdefault(event["type"], []).append(plain)
     return out
 
 

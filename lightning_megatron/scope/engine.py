@@ -35,12 +35,14 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
 from lightning_megatron.scope.capture import Capture, Record
 from lightning_megatron.scope.perturb import KINDS, Perturbation, perturb
+from lightning_megatron.scope.protocol import Array
 from lightning_megatron.scope.reducers import Reduced, apply_reducers, parse_reducers
 from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
 
 __all__ = ["DEFAULT_PROBES", "Limits", "ScopeEngine", "pca_2d"]
 
 Emit = Callable[[dict[str, Any]], None]
+ATTENTION_ROWS = 64
 
 DEFAULT_PROBES: tuple[dict[str, Any], ...] = (
     {"name": "blocks.*.hook_resid_post", "reduce": [{"kind": "downsample", "axis": -1, "bins": 64}]},
@@ -324,17 +326,19 @@ class ScopeEngine:
         """The token at ``step.position`` (first: it is what a reader waits for), then the new positions
         ``[start, step.position)`` of every record."""
         end = step.position
-        alternatives = None
+        alternatives, chosen = None, None
+        # one device-to-host copy (and one wait) for the three per-row facts
+        tokens, in_prompt, done = torch.stack([step.tokens, step.in_prompt.long(), step.done.long()]).tolist()
         logits = next((r for r in records if r.name == "hook_logits" and r.end > start), None)
         if logits is not None:
             last = _window(logits, start, end)[:, -1]  # the logits that predicted this position
-            top = last.float().softmax(dim=-1).topk(min(job["alternatives"], last.shape[-1]), dim=-1)
+            probs = last.float().softmax(dim=-1)
+            chosen = probs.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()  # p of each row's token
+            top = probs.topk(min(job["alternatives"], last.shape[-1]), dim=-1)
             alternatives = [
                 [{"id": int(i), "text": self._text(int(i)), "p": float(p)} for p, i in zip(ps, ids)]
                 for ps, ids in zip(top.values.tolist(), top.indices.tolist())
             ]
-        # one device-to-host copy (and one wait) for the three per-row facts
-        tokens, in_prompt, done = torch.stack([step.tokens, step.in_prompt.long(), step.done.long()]).tolist()
         emit(
             {
                 "type": "token",
@@ -343,7 +347,8 @@ class ScopeEngine:
                 "position": end,
                 "tokens": [
                     {"id": t, "text": self._text(t), "in_prompt": bool(p), "done": bool(d)}
-                    for t, p, d in zip(tokens, in_prompt, done)
+                    | ({} if chosen is None else {"p": chosen[row]})
+                    for row, (t, p, d) in enumerate(zip(tokens, in_prompt, done))
                 ],
                 "alternatives": alternatives or [[] for _ in tokens],
             }
@@ -353,17 +358,22 @@ class ScopeEngine:
                 continue
             window = _window(record, start, end)
             if record.name.endswith("hook_pattern"):
-                emit(
-                    {
-                        "type": "attention",
-                        "id": rid,
-                        "layer": record.layer,
-                        "start": max(start, record.start),
-                        "end": end,
-                        "heads": job["attention"]["heads"],
-                        "data": window,
-                    }
-                )
+                # probabilities in [0, 1] as uint8 codes, in events of at most 64 query rows: a long prompt's
+                # prefill (896 × 896 × 16 heads) would otherwise be one 26 MB message that holds up the stream
+                first = max(start, record.start)
+                for row in range(0, window.shape[2], ATTENTION_ROWS):
+                    rows = window[:, :, row : row + ATTENTION_ROWS]
+                    emit(
+                        {
+                            "type": "attention",
+                            "id": rid,
+                            "layer": record.layer,
+                            "start": first + row,
+                            "end": first + row + rows.shape[2],
+                            "heads": job["attention"]["heads"],
+                            "data": Array(rows, "uint8", low=0.0, high=1.0),
+                        }
+                    )
             elif record.name.endswith("hook_resid_post") and job["pca"]:
                 residual.setdefault(int(record.layer), []).append(window.float())
             for pattern, chain in chains:

@@ -28,6 +28,7 @@ s; ``stuck`` each element is set to ``value`` with probability s. ``layers`` and
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -88,6 +89,14 @@ class Perturbation:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
 
+def _exists_in_model(site: str, config: Any) -> bool:
+    """Whether ``site`` names a point of the whole model (this rank holds only its pipeline stage's points)."""
+    from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names
+
+    names = all_point_names(int(config.num_layers), bool(config.gated_linear_unit))
+    return site in SITE_GROUPS or any(fnmatch.fnmatchcase(name, site) for name in names)
+
+
 def _seed_of(*parts: Any) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -104,6 +113,11 @@ class Perturber:
         self.targets: list[tuple[Perturbation, ProbePoint]] = []
         for pert in self.perturbations:
             chosen = match_points(points, [pert.site], what="perturb")
+            if not chosen and not _exists_in_model(pert.site, self.chunks[0].config):
+                raise MegatronConfigError(
+                    f"perturb(site={pert.site!r}) matches no probe point of this model; names look like "
+                    "'blocks.3.hook_resid_post' or 'blocks.*.attn.W_QKV' (or a group: storage, calculation, system)."
+                )
             bad = [p.name for p in chosen if not p.perturbable]
             if bad:
                 perturbable = sorted({p.name.split(".", 2)[-1] for p in points if p.perturbable})

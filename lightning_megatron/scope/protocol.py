@@ -112,8 +112,9 @@ class Engine(Protocol):
         ...
 
     def generate(self, request: dict, emit: Callable[[dict], None], cancelled: Callable[[], bool]) -> None:
-        """Run one ``generate`` request: ``emit`` start; after each forward pass its probe/attention events,
-        then its token event; pca events if asked; last, finish (per prompt ``reasons``: "callback" for those
+        """Run one ``generate`` request: ``emit`` start; after each forward pass its token event, then its
+        probe/attention events (a client may get either order; the token first is what a reader waits for);
+        pca events if asked; last, finish (per prompt ``reasons``: "callback" for those
         still running once ``cancelled()`` turned true; check it between tokens). Events are dicts as in
         $defs/Event without ``v``/``id`` (the server adds them); arrays may be tensors, ndarrays or
         :class:`Array`. ``emit`` may block while the client catches up, and raises (TypeError, ValueError) for

@@ -14,7 +14,7 @@ kind            fields                                         result
 ``mean``        ``axis``                                       mean over ``axis`` (size 1)
 ``norm``        ``axis``                                       L2 norm over ``axis`` (size 1)
 ``absmax``      ``axis``                                       largest magnitude over ``axis`` (size 1)
-``downsample``  ``axis``, ``bins``                             mean-pool ``axis`` into ``bins`` equal bins
+``downsample``  ``axis``, ``bins``                             mean-pool ``axis`` into ``bins`` (near-)equal bins
 ``histogram``   ``bins``                                       counts of all finite values; edges in extra
 ``topk``        ``k``, ``axis``, ``softmax`` (bool)            the k largest (probabilities if softmax);
                                                                their indices in extra
@@ -23,7 +23,6 @@ kind            fields                                         result
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Optional
@@ -139,19 +138,16 @@ def _checked_axis(axis: int, ndim: int, kind: str) -> int:
 
 
 def _downsample(x: torch.Tensor, axis: int, bins: int) -> torch.Tensor:
-    """Mean-pool ``axis`` into ``bins`` bins (zero padding at the end does not count towards the mean)."""
+    """Mean-pool ``axis`` into ``bins`` bins of (nearly) equal width: bin i averages the entries
+    ``floor(i·n/bins) .. ceil((i+1)·n/bins) - 1``, so no bin is empty whatever ``n`` is (96 into 64 bins too)."""
     axis = axis % x.dim()
     size = x.shape[axis]
     if size <= bins:
         return x
     if size % bins == 0:  # the common case (hidden sizes are multiples of the bins): one reshape and mean
         return x.unflatten(axis, (bins, size // bins)).mean(dim=axis + 1)
-    width = math.ceil(size / bins)
     moved = x.movedim(axis, -1)
-    pad = width * bins - size
-    padded = F.pad(moved, (0, pad))
-    counts = F.pad(torch.ones(size, device=x.device), (0, pad)).view(bins, width).sum(-1)
-    pooled = padded.reshape(*moved.shape[:-1], bins, width).sum(-1) / counts
+    pooled = F.adaptive_avg_pool1d(moved.reshape(-1, 1, size), bins).reshape(*moved.shape[:-1], bins)
     return pooled.movedim(-1, axis)
 
 
