@@ -281,3 +281,30 @@ def fit_with_scope(world: int, model: dict[str, Any], perturbation: dict[str, An
             server_stopped=scope.server is None,
         )
     return out
+
+
+def perturbation_statistics(world: int, model: dict[str, Any], **layout: Any) -> Optional[dict[str, Any]]:
+    """For each kind, the perturbed tensor at its own site against the clean one (captured there), and whether
+    leaving the context restores the outputs bit for bit."""
+    trainer, module = build(world, model, **layout)
+    site = "blocks.1.hook_resid_post"
+    settings = {"gaussian": 0.3, "uniform": 0.2, "bitflip": 0.05, "zero": 0.25, "stuck": 0.25}
+
+    def run() -> Any:
+        with capture(module, [site, "hook_logits"]) as cache:
+            trainer.strategy.forward_backward(batch_of(tokens()), forward_only=True)
+        return cache
+
+    clean = run()
+    out: dict[str, Any] = {}
+    for kind, strength in settings.items():
+        with perturb(module, site, kind, strength, seed=11, value=7.0):
+            noisy = run()
+        after = run()
+        if clean.is_server:
+            out[kind] = {
+                "clean": clean[site],
+                "noisy": noisy[site],
+                "restored": torch.equal(after["hook_logits"], clean["hook_logits"]),
+            }
+    return out if clean.is_server else None

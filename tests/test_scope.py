@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 import torch
-from scope_cases import GPT2_STYLE, LLAMA_STYLE, captures_at_layout, engine_events, fit_with_scope, perturbed_gradients
+from scope_cases import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    captures_at_layout,
+    engine_events,
+    fit_with_scope,
+    perturbation_statistics,
+    perturbed_gradients,
+)
 
 LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2)),
@@ -207,3 +215,28 @@ def test_reduced_captures_equal_at_every_layout(ranks: Any, reference: Any, layo
             continue
         want = apply_reducers(full, chain).tensor
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2-sp"])
+def test_each_perturbation_moves_outputs_by_its_expected_statistics(ranks: Any, layout: str) -> None:
+    world, kwargs = (1, {}) if layout == "tp1" else LAYOUTS[layout]
+    result = ranks.run(world, perturbation_statistics, world, GPT2_STYLE, **kwargs)[0]
+    for kind, r in result.items():
+        assert r["restored"], f"{kind}: leaving the context restores the outputs exactly"
+    x, y = result["gaussian"]["clean"], result["gaussian"]["noisy"]
+    delta = y - x
+    assert abs(delta.mean()) < 0.03 and delta.std() == pytest.approx(0.3, rel=0.1)  # x + 0.3·N(0, 1)
+    x, y = result["uniform"]["clean"], result["uniform"]["noisy"]
+    ratio = (y / x)[x.abs() > 1e-3]
+    assert ratio.min() >= 0.8 - 1e-5 and ratio.max() <= 1.2 + 1e-5 and abs(ratio.mean() - 1) < 0.02
+    assert ratio.std() == pytest.approx(0.2 / 3**0.5, rel=0.15)  # U(0.8, 1.2)
+    x, y = result["bitflip"]["clean"], result["bitflip"]["noisy"]
+    changed = (x.view(torch.int32) != y.view(torch.int32)).float().mean()
+    assert changed == pytest.approx(0.05, abs=0.01)  # one bit of each hit element
+    flips = x.view(torch.int32) ^ y.view(torch.int32)
+    hit = flips != 0
+    assert torch.all((flips[hit] & (flips[hit] - 1)) == 0), "exactly one bit flipped per hit element"
+    x, y = result["zero"]["clean"], result["zero"]["noisy"]
+    assert (y == 0).float().mean() == pytest.approx(0.25, abs=0.03) and torch.equal(y[y != 0], x[y != 0])
+    x, y = result["stuck"]["clean"], result["stuck"]["noisy"]
+    assert (y == 7.0).float().mean() == pytest.approx(0.25, abs=0.03) and torch.equal(y[y != 7.0], x[y != 7.0])

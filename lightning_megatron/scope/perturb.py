@@ -13,7 +13,7 @@ Rules that keep training correct (MegatronApp's weight noise ran under ``no_grad
   against a full recompute all see the same noise. Weights take noise per (seed, step, layer, site).
 * **Activations**: the replacement is ``f(x)`` with the noise detached, so the gradient is that of the
   perturbed function (multiplicative noise and masks scale or zero it); bit flips have no derivative and use
-  a straight-through estimator, ``x + (flip(x) - x).detach()``.
+  a straight-through estimator (the forward gives the flipped value bit for bit, the backward the gradient of x).
 * **Weights** are never edited: for the duration of the module's forward its ``weight`` attribute is the
   tensor ``w + n`` (``w`` stays a parameter, gradients flow through the addition to it), restored by an
   always-called forward hook. Checkpoints, the optimizer and the gradient buffers only ever see clean ``w``.
@@ -258,6 +258,18 @@ class Perturber:
         return local.view(shape)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: ``replacement`` exactly (``x + (r - x).detach()`` would round); backward: the gradient of x."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, replacement: torch.Tensor) -> torch.Tensor:
+        return replacement
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def noise_draws(
     pert: Perturbation,
     name: str,
@@ -304,7 +316,7 @@ def _apply(
     bit = draws["bit"] % width
     mask = torch.bitwise_left_shift(torch.ones_like(bit), bit).to(as_int.dtype) * hit.to(as_int.dtype)
     flipped = torch.bitwise_xor(as_int, mask).view(x.dtype)
-    return x + (flipped - x).detach()
+    return _StraightThrough.apply(x, flipped)
 
 
 @contextmanager
