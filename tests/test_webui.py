@@ -580,6 +580,7 @@ const tick = (t) => { __jank.frames.push([t, t - last]); last = t; requestAnimat
 requestAnimationFrame(tick);
 """
 REPLAY_RATE = 20.0
+NOMINAL_EVENTS_PER_SECOND = 1450.0  # 20 positions/s x (72 probes + the token + attention chunks)
 REPLAY_NEW_TOKENS = 128  # after a 896-token prompt: 1,024 positions
 
 
@@ -697,7 +698,16 @@ def test_no_long_frames_while_a_gpt2_medium_stream_replays(browser: Any, shots: 
         f"a frame needed over {LONG_FRAME_MS} ms of main-thread CPU: {json.dumps(summary)}; "
         f"{json.dumps(worst_cpu['frames_over_100ms'][:5])}"
     )
-    quiet = [a for a in attempts if a["foreign_load_cores"] < QUIET]
+    # Wall time is asserted only where the machine delivered the stream (a quiet host, and the events arrived at
+    # >= 70% of their nominal rate): on 2 cores the replay server, Chromium's processes and the page share the
+    # CPUs, and an attempt whose stream was throttled upstream measures the machine, not the page.
+    quiet = [
+        a
+        for a in attempts
+        if a["foreign_load_cores"] < QUIET and a["events_per_second"] >= 0.7 * NOMINAL_EVENTS_PER_SECOND
+    ]
+    if not quiet:
+        print(f"replay jank: wall time not asserted (no attempt on a quiet host got the stream at its rate): {summary}")
     if quiet:
         best = min(quiet, key=lambda a: a["max_frame_ms"])
         assert best["max_frame_ms"] <= LONG_FRAME_MS, (
