@@ -308,3 +308,19 @@ def perturbation_statistics(world: int, model: dict[str, Any], **layout: Any) ->
                 "restored": torch.equal(after["hook_logits"], clean["hook_logits"]),
             }
     return out if clean.is_server else None
+
+
+def typo_errors(world: int, model: dict[str, Any], **layout: Any) -> list[str]:
+    """What a mistyped probe name and a mistyped perturbation site get (on every rank, before any collective)."""
+    _, module = build(world, model, **layout)
+    messages = []
+    for enter in (
+        lambda: capture(module, ["blocks.1.hook_resid_pots"]),
+        lambda: perturb(module, "blocks.9.hook_z", "zero", 1.0),
+    ):
+        try:
+            with enter():
+                pass
+        except Exception as err:  # noqa: BLE001
+            messages.append(f"{type(err).__name__}: {err}")
+    return messages

@@ -15,6 +15,7 @@ from scope_cases import (
     fit_with_scope,
     perturbation_statistics,
     perturbed_gradients,
+    typo_errors,
 )
 
 LAYOUTS = {
@@ -240,3 +241,10 @@ def test_each_perturbation_moves_outputs_by_its_expected_statistics(ranks: Any, 
     assert (y == 0).float().mean() == pytest.approx(0.25, abs=0.03) and torch.equal(y[y != 0], x[y != 0])
     x, y = result["stuck"]["clean"], result["stuck"]["noisy"]
     assert (y == 7.0).float().mean() == pytest.approx(0.25, abs=0.03) and torch.equal(y[y != 7.0], x[y != 7.0])
+
+
+def test_mistyped_names_are_errors_not_silence(ranks: Any) -> None:
+    for messages in ranks.run(2, typo_errors, 2, GPT2_STYLE, pipeline_model_parallel_size=2):
+        assert len(messages) == 2 and all(m.startswith("MegatronConfigError") for m in messages), messages
+        assert "'blocks.1.hook_resid_pots' matches no probe point" in messages[0]
+        assert "'blocks.9.hook_z') matches no probe point" in messages[1]

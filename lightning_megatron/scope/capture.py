@@ -37,7 +37,15 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
 from lightning_megatron.scope.layout import ShardLayout
 from lightning_megatron.scope.reducers import Reduced, Reducer, apply_reducers, parse_reducers
-from lightning_megatron.scope.sites import ProbePoint, chunks_of, match_points, probe_points, vocab_size_of
+from lightning_megatron.scope.sites import (
+    SITE_GROUPS,
+    ProbePoint,
+    all_point_names,
+    chunks_of,
+    match_points,
+    probe_points,
+    vocab_size_of,
+)
 from lightning_megatron.scope.tap import Tap, strategy_of
 
 __all__ = ["Capture", "Record", "ScopeCache", "capture"]
@@ -179,6 +187,7 @@ class Capture:
         self.chunks = chunks_of(model)
         self.tap = Tap.of(self.chunks, strategy_of(model))
         points = [p for p in probe_points(self.chunks, vocab_size_of(model)) if p.capturable]
+        _check_names(names_filter, self.chunks[0].config)
         self.points = _filtered(points, names_filter)
         self.reducers = {pattern: parse_reducers(chain) for pattern, chain in (reducers or {}).items()}
         self.heads = _checked_heads(heads, self.chunks[0].config.num_attention_heads)
@@ -382,6 +391,22 @@ def _filtered(points: list[ProbePoint], names_filter: NamesFilter) -> list[Probe
         return [p for p in points if names_filter(p.name)]
     patterns = [names_filter] if isinstance(names_filter, str) else list(names_filter)
     return match_points(points, patterns, what="capture")
+
+
+def _check_names(names_filter: NamesFilter, config: Any) -> None:
+    """A name or glob that matches no point of the whole model is a typo: say so, rather than capture nothing
+    (this rank holds only its pipeline stage's points, so the check is against the model's full list)."""
+    if names_filter is None or callable(names_filter):
+        return
+    names = all_point_names(int(config.num_layers), bool(config.gated_linear_unit))
+    patterns = [names_filter] if isinstance(names_filter, str) else list(names_filter)
+    for pattern in patterns:
+        if isinstance(pattern, str) and pattern not in SITE_GROUPS:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                raise MegatronConfigError(
+                    f"capture: {pattern!r} matches no probe point of this model; names look like "
+                    "'blocks.3.hook_resid_post', 'blocks.*.attn.hook_pattern' or 'hook_logits' (see scope.sites)."
+                )
 
 
 @contextmanager
