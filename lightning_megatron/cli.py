@@ -7,6 +7,7 @@
     lightning-megatron sample runs/gpt-tiny-cpu/checkpoints/last.ckpt --prompt "And God said"
     lightning-megatron scan aggregate runs/trace -o merged.json.gz    (see lightning_megatron.scan)
     lightning-megatron scope serve runs/gpt-tiny-cpu/checkpoints/last.ckpt (see lightning_megatron.scope)
+    lightning-megatron dpp simulate --chunks 2 --delay exponential --delay-mean 1  (will MegaDPP help?)
 
 Models and data modules are given by class (``model: {class_path: ..., init_args: ...}``; the short
 names ``GPTModule`` / ``SyntheticTokenDataModule`` work), the strategy by class or by its registered
@@ -54,6 +55,10 @@ def main(args: Optional[list[str]] = None) -> None:
         from lightning_megatron.scope.cli import main as scope
 
         sys.exit(scope(argv[1:]))
+    if argv and argv[0] == "dpp":  # MegaDPP: simulate the dynamic pipeline schedule's policies
+        from lightning_megatron.pipeline.dpp.cli import main as dpp
+
+        sys.exit(dpp(argv[1:]))
     if argv and argv[0] == "sample":
         from lightning_megatron.models.sampling import main as sample
 

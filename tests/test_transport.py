@@ -31,8 +31,9 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.transport import available_transports, create_transport
 from lightning_megatron.transport import header as hdr
 
-TRANSPORTS = ["torch", "shm", "tcp", "rdma"]
+TRANSPORTS = ["torch", "shm", "tcp", "rdma", "shm+delay"]
 MODULES = {name: f"lightning_megatron.transport.{'torch_p2p' if name == 'torch' else name}" for name in TRANSPORTS}
+MODULES["shm+delay"] = "lightning_megatron.transport.delay"  # shm behind link jitter (transport_cases.JitteryShm)
 MiB = 1 << 20
 
 _reasons: dict[str, Optional[str]] = {}
@@ -118,6 +119,25 @@ def test_peer_closed_raises_peer_lost(ranks: Any, transport: str) -> None:
     assert survivor["recv"] == "PeerLost", survivor
     assert survivor["recv_s"] < 10, survivor
     assert "rank 1" in survivor["recv_message"], survivor
+
+
+def test_wait_any_out_of_order(ranks: Any, transport: str) -> None:
+    out = ranks.run(2, tc.any_out_of_order, transport)[0]
+    assert out["waited_s"] < 5, out
+
+
+def test_wait_any_timeout_and_bad_keys(ranks: Any, transport: str) -> None:
+    out = ranks.run(2, tc.any_timeout_and_checks, transport)[0]
+    assert out["poll_any_s"] < 0.1, out  # never blocks
+    assert "(peer, tag)" in out["empty"], out
+
+
+def test_wait_any_peer_closed_raises_peer_lost(ranks: Any, transport: str) -> None:
+    survivor = ranks.run(2, tc.any_peer_closed, transport)[0]
+    assert survivor["wait_any"] == "PeerLost", survivor
+    assert survivor["wait_any_s"] < 10, survivor
+    assert "rank 1" in survivor["message"] and "42" in survivor["message"], survivor
+    assert survivor["poll_any"] == "PeerLost", survivor
 
 
 def test_peer_death(transport: str, tmp_path: Path) -> None:

@@ -1,11 +1,22 @@
 """The ``shm`` transport between two GPUs of one node (CUDA IPC slots): skipped on CPU machines, run on the
-device machine (2 GPUs). Two spawned processes, one GPU each, a gloo group only for the rendezvous store."""
+device machine (2 GPUs). Two spawned processes, one GPU each, a gloo group only for the rendezvous store.
+
+``test_shm_reports_cuda_messages_once_the_data_is_ready``: the sender sends a tensor that a long chain of
+matmuls (~0.3 s) is still computing; ``poll``/``poll_any``/``wait_any`` on the receiver must not report it until
+the sender's copy-in event has completed (its descriptor arrives at once and is parked meanwhile), and the data
+must be bit-exact. Times are compared across the two processes on ``time.monotonic()`` (one clock per machine).
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -79,7 +90,9 @@ def _cases(transport, rank: int, device: str) -> None:
     torch.cuda.synchronize()
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _pair_worker(rank: int, port: int, out: str, body: Callable[[Any, int, str], Any]) -> None:
+    """One of two spawned ranks: an ``shm`` transport on ``cuda:rank`` with CUDA IPC; ``body``'s report (JSON) or
+    the traceback (``FAILED``) goes to ``out.rank``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         torch.cuda.set_device(rank)
@@ -89,19 +102,143 @@ def _worker(rank: int, port: int, out: str) -> None:
         with create_transport("shm", device=f"cuda:{rank}", timeout=60) as transport:
             transport.connect([1 - rank])
             assert transport._cuda is not None and transport._cuda.available, "CUDA IPC path not available"
-            _cases(transport, rank, f"cuda:{rank}")
-            assert transport._cuda.host_staged > 0  # the burst outran the slots and still arrived
+            report = body(transport, rank, f"cuda:{rank}")
             torch.distributed.barrier()
-        Path(f"{out}.{rank}").write_text("ok")
+        Path(f"{out}.{rank}").write_text(json.dumps(report))
     except BaseException:
-        Path(f"{out}.{rank}").write_text(traceback.format_exc())
+        Path(f"{out}.{rank}").write_text("FAILED\n" + traceback.format_exc())
         raise
 
 
-def test_shm_moves_cuda_tensors_between_two_gpus(tmp_path: Path) -> None:
+def _run_pair(body: Callable[[Any, int, str], Any], out: str) -> list[Any]:
     import torch.multiprocessing as mp
 
-    out = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(free_port(), out), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_pair_worker, args=(free_port(), out, body), nprocs=2, start_method="spawn", join=True)
+    reports = []
     for rank in range(2):
-        assert Path(f"{out}.{rank}").read_text() == "ok", Path(f"{out}.{rank}").read_text()
+        text = Path(f"{out}.{rank}").read_text()
+        assert not text.startswith("FAILED"), text
+        reports.append(json.loads(text))
+    return reports
+
+
+def _moves_tensors(transport: Any, rank: int, device: str) -> str:
+    _cases(transport, rank, device)
+    assert transport._cuda.host_staged > 0  # the burst outran the slots and still arrived
+    return "ok"
+
+
+def test_shm_moves_cuda_tensors_between_two_gpus(tmp_path: Path) -> None:
+    assert _run_pair(_moves_tensors, str(tmp_path / "result")) == ["ok", "ok"]
+
+
+# -- "arrived" means the data is ready ------------------------------------------------------------------------------
+
+KERNEL_S = 0.3
+"""How long the sender's GPU computes the tensor after its descriptor has gone out."""
+SLACK_S = 0.02
+"""The sender sees its kernel end (``Event.synchronize``) a little after the GPU does; the receiver may be first."""
+
+
+def _long_producer(device: str, seconds: float) -> tuple[Callable[[], torch.Tensor], float]:
+    """A function that queues ~``seconds`` of GPU work ending in a fresh (4096, 4096) float32 tensor, and the
+    calibrated duration. A chain ``x = tanh(x @ w)``: every step depends on the one before, values stay bounded."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.randn(4096, 4096, generator=g) / 64).to(device)
+    x0 = torch.randn(4096, 4096, generator=g).to(device)
+
+    def chain(steps: int) -> torch.Tensor:
+        x = x0
+        for _ in range(steps):
+            x = torch.tanh(x @ w)
+        return x
+
+    chain(3)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    chain(10)
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - start) / 10
+    steps = max(1, min(4000, math.ceil(seconds / per_step)))
+    return (lambda: chain(steps)), steps * per_step
+
+
+def _ready_rounds(transport: Any, rank: int, device: str) -> dict[str, Any]:
+    peer = 1 - rank
+    produce, expected_s = _long_producer(device, KERNEL_S)
+    report: dict[str, Any] = {"kernel_s": expected_s}
+    # Warm-up: the first send to a peer allocates and exports its staging slot; the timed rounds reuse it.
+    if rank == 0:
+        transport.isend(peer, 1, torch.zeros(4096, 4096, device=device)).wait(60)
+    else:
+        assert bool((transport.recv(peer, 1, timeout=60) == 0).all())
+    for r, how in enumerate(["poll", "poll_any", "wait_any", "recv"]):
+        tag = 100 * (r + 1)
+        torch.distributed.barrier()
+        if rank == 0:
+            x = produce()  # queued: the GPU is busy with it for ~KERNEL_S from now
+            finished = torch.cuda.Event()
+            finished.record()
+            sent_at = time.monotonic()
+            handle = transport.isend(peer, tag, x)
+            posted_s = time.monotonic() - sent_at
+            finished.synchronize()
+            done_at = time.monotonic()
+            handle.wait(60)
+            transport.isend(peer, tag + 1, x.cpu())  # the truth, through the host
+            transport.isend(peer, tag + 2, torch.tensor([sent_at, done_at, posted_s], dtype=torch.float64))
+            transport.wait_sends(timeout=60)
+            assert done_at - sent_at > 0.1, f"{how}: the kernel ended {done_at - sent_at:.3f} s after the send"
+            report[how] = {"posted_s": posted_s, "kernel_after_send_s": done_at - sent_at}
+            continue
+        start = time.monotonic()
+        first_parked = None
+        not_ready_polls = 0
+        if how in ("poll", "poll_any"):
+            while True:
+                if how == "poll":
+                    got = transport.poll(peer, tag)
+                else:
+                    found = transport.poll_any([(peer, tag + 50), (peer, tag)])
+                    if found is not None:
+                        assert found[0] == 1, found[0]
+                    got = None if found is None else found[1]
+                now = time.monotonic()
+                if got is not None:
+                    break
+                if (peer, tag) in transport._parked:  # the descriptor is here, its data is not
+                    first_parked = first_parked if first_parked is not None else now
+                    not_ready_polls += 1
+                assert now - start < 60, f"{how}: nothing within 60 s"
+                time.sleep(1e-4)
+        elif how == "wait_any":
+            index, got = transport.wait_any([(peer, tag + 50), (peer, tag)], timeout=60)
+            now = time.monotonic()
+            assert index == 1, index
+        else:
+            got = transport.recv(peer, tag, timeout=60)  # delivers at arrival: the copy waits on the stream
+            now = time.monotonic()
+        truth = transport.recv(peer, tag + 1, timeout=60)
+        sent_at, done_at, _ = transport.recv(peer, tag + 2, timeout=60).cpu().tolist()
+        torch.cuda.synchronize()
+        assert got.device == torch.device(device) and got.dtype == torch.float32 and got.shape == (4096, 4096)
+        assert torch.equal(got.view(torch.uint8), truth.view(torch.uint8)), f"{how}: bytes differ"
+        entry = {"got_after_send_s": now - sent_at, "got_minus_kernel_end_s": now - done_at}
+        if how != "recv":
+            assert now >= done_at - SLACK_S, (
+                f"{how} reported the message {done_at - now:.3f} s before the sender's kernel ended"
+            )
+        if how in ("poll", "poll_any"):
+            assert first_parked is not None and not_ready_polls > 0, f"{how}: the descriptor was never parked"
+            assert now - first_parked > 0.05, f"{how}: parked for only {now - first_parked:.3f} s"
+            entry.update(parked_s=now - first_parked, not_ready_polls=not_ready_polls)
+        report[how] = entry
+    transport.wait_sends(timeout=60)
+    torch.cuda.synchronize()
+    return report
+
+
+def test_shm_reports_cuda_messages_once_the_data_is_ready(tmp_path: Path) -> None:
+    sender, receiver = _run_pair(_ready_rounds, str(tmp_path / "ready"))
+    print(json.dumps({"sender": sender, "receiver": receiver}, indent=1))  # timings, for the record (pytest -s)
+    assert all(sender[how]["posted_s"] < 0.05 for how in ("poll", "poll_any", "wait_any", "recv")), sender

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from distributed import WorkerGroup
 
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.transport import PeerLost, TransportError, create_transport
+from lightning_megatron.transport import PeerLost, TransportError, TransportTimeout, create_transport
+from lightning_megatron.transport import header as hdr
 
 native = pytest.importorskip("lightning_megatron.transport.native", reason="native extension not built")
 
@@ -233,6 +234,99 @@ def test_shm_heap_full_falls_back_to_streaming(ranks: Any) -> None:
     assert out["in_place"] + out["streamed"] == 12 and out["after"] == 1, out
 
 
+# -- shared memory: CUDA messages are reported once their data is ready -----------------------------------------------
+
+_FAKE = struct.Struct("<qd")  # id, ready_at (time.monotonic(): one clock for all processes of the machine)
+
+
+class _FakeCuda:
+    """Stands in for ``CudaIpcChannel`` on a CPU ``shm`` transport, so the parking of not-ready CUDA messages is
+    tested here (the real one, with a long kernel, is in ``test_transport_gpu.py``): a "descriptor" carries an id
+    and the time its data becomes ready."""
+
+    available = True
+
+    def ready(self, peer: int, header: bytes) -> bool:
+        return time.monotonic() >= _FAKE.unpack_from(header, hdr.HEADER_BYTES)[1]
+
+    def receive(self, peer: int, header: bytes) -> torch.Tensor:
+        return torch.tensor(_FAKE.unpack_from(header, hdr.HEADER_BYTES), dtype=torch.float64)  # [id, ready_at]
+
+    def close(self) -> None:
+        pass
+
+
+def _send_fake_cuda(t: Any, peer: int, tag: int, ident: int, ready_at: float) -> None:
+    words = hdr.encode(tag, torch.empty(1, dtype=torch.int64))
+    words[1] = hdr.KIND_CUDA
+    t._engine.isend(peer, tag, hdr.pack(words) + _FAKE.pack(ident, ready_at), 0, 0)
+
+
+def _ready_rule() -> dict[str, Any]:
+    t, rank, peer = _connected("shm")
+    out: dict[str, Any] = {}
+    try:
+        if rank == 1:
+            t._cuda = _FakeCuda()
+        base = torch.tensor([time.monotonic()], dtype=torch.float64)
+        dist.broadcast(base, 0)  # one reference time for both ranks
+        t0 = float(base)
+        if rank == 0:
+            _send_fake_cuda(t, peer, 1, 1, t0 + 0.3)  # not ready for 0.3 s
+            _send_fake_cuda(t, peer, 1, 2, t0)  # ready, but behind id 1 on its tag
+            _send_fake_cuda(t, peer, 2, 3, t0)  # ready
+            t.isend(peer, 3, torch.tensor([4])).wait(10)  # a host message: ready on arrival
+            _send_fake_cuda(t, peer, 4, 5, t0 + 100)  # never ready during the case: recv takes it anyway
+            _send_fake_cuda(t, peer, 5, 6, t0 + 100)  # never ready: wait_any times out
+            t.isend(peer, 9, torch.tensor([9])).wait(10)  # marker: everything above is filed once it is
+            dist.barrier()
+            time.sleep(0.05)  # rank 1 is blocked in wait_any by now
+            _send_fake_cuda(t, peer, 7, 7, time.monotonic() + 0.2)
+        else:
+            assert int(t.recv(peer, 9)[0]) == 9
+            assert t.poll(peer, 1) is None, "a CUDA message was reported before its data was ready"
+            assert len(t._parked[(peer, 1)]) == 1, t._parked
+            assert t.poll(peer, 1) is None, "a ready message overtook an older one of its tag"
+            got = t.poll_any([(peer, 1), (peer, 2)])
+            assert got is not None and got[0] == 1 and int(got[1][0]) == 3, got
+            got = t.poll_any([(peer, 1), (peer, 3)])
+            assert got is not None and got[0] == 1 and int(got[1][0]) == 4, got
+            index, tensor = t.wait_any([(peer, 1)], timeout=5)  # every key parked: polls the events
+            out["first_ready_late_s"] = time.monotonic() - (t0 + 0.3)
+            assert index == 0 and int(tensor[0]) == 1, (index, tensor)
+            assert int(t.poll(peer, 1)[0]) == 2  # FIFO per tag
+            assert t.poll(peer, 4) is None
+            start = time.monotonic()
+            assert int(t.recv(peer, 4, timeout=5)[0]) == 5  # recv delivers at arrival (documented)
+            out["recv_s"] = time.monotonic() - start
+            start = time.monotonic()
+            try:
+                t.wait_any([(peer, 5)], timeout=0.2)
+                raise AssertionError("wait_any returned a message whose data never became ready")
+            except TransportTimeout as exc:
+                out["timeout_s"] = time.monotonic() - start
+                assert "tag 5" in str(exc), str(exc)
+            dist.barrier()
+            # Nothing parked, nothing arrived: wait_any blocks in the mailbox, takes tag 7 when it comes, parks it
+            # and hands it out once ready.
+            index, tensor = t.wait_any([(peer, 6), (peer, 7)], timeout=5)
+            out["second_ready_late_s"] = time.monotonic() - float(tensor[1])
+            assert index == 1 and int(tensor[0]) == 7, (index, tensor)
+            assert not t._parked.get((peer, 7)), t._parked
+        dist.barrier()
+        return out
+    finally:
+        t.close()
+
+
+def test_shm_reports_cuda_messages_once_ready(ranks: Any) -> None:
+    out = ranks.run(2, _ready_rule)[1]
+    assert 0 <= out["first_ready_late_s"] < 1.0, out  # after its ready time, and promptly
+    assert 0 <= out["second_ready_late_s"] < 1.0, out
+    assert out["recv_s"] < 0.5, out
+    assert 0.2 <= out["timeout_s"] < 1.2, out
+
+
 # -- TCP -----------------------------------------------------------------------------------------------------------
 
 HELLO = struct.Struct("<IIii32s")  # magic, version, src rank, dst rank, token (native/src/tcp_channel.cpp)
@@ -308,30 +402,37 @@ def _control_and_interrupt(name: str) -> dict[str, Any]:
         t.isend_bytes(peer, 8, b"\x01\x02")
         assert t.recv(peer, 8).tolist() == [1, 2]  # also readable as a uint8 tensor
         dist.barrier()
-        # Ctrl-C while blocked in recv: KeyboardInterrupt comes at once, the GIL is not held meanwhile.
-        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        ticks = []
-        ticker = threading.Thread(target=lambda: [ticks.append(time.sleep(0.01)) for _ in range(20)])
-        start = time.monotonic()
-        timer.start()
-        ticker.start()
-        try:
-            t.recv(peer, 999, timeout=20.0)
-            interrupted = None
-        except KeyboardInterrupt:
-            interrupted = time.monotonic() - start
-        ticker.join()
+        out: dict[str, Any] = {}
+        # Ctrl-C while blocked in recv or wait_any: KeyboardInterrupt comes at once, the GIL is not held meanwhile.
+        for how, wait in [
+            ("recv", lambda: t.recv(peer, 999, timeout=20.0)),
+            ("wait_any", lambda: t.wait_any([(peer, 998), (peer, 999)], timeout=20.0)),
+        ]:
+            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+            ticks: list[Any] = []
+            ticker = threading.Thread(target=lambda ticks=ticks: [ticks.append(time.sleep(0.01)) for _ in range(20)])
+            start = time.monotonic()
+            timer.start()
+            ticker.start()
+            try:
+                wait()
+                interrupted = None
+            except KeyboardInterrupt:
+                interrupted = time.monotonic() - start
+            ticker.join()
+            out[how] = {"interrupted_s": interrupted, "ticks": len(ticks)}
         dist.barrier()
-        return {"interrupted_s": interrupted, "ticks": len(ticks)}
+        return out
     finally:
         t.close()
 
 
 @pytest.mark.parametrize("name", ["shm", "tcp"])
 def test_control_messages_and_ctrl_c(ranks: Any, name: str) -> None:
-    for out in ranks.run(2, _control_and_interrupt, name):
-        assert out["interrupted_s"] is not None and out["interrupted_s"] < 1.5, out
-        assert out["ticks"] == 20, out  # another Python thread ran while recv waited
+    for rank_out in ranks.run(2, _control_and_interrupt, name):
+        for out in rank_out.values():
+            assert out["interrupted_s"] is not None and out["interrupted_s"] < 1.5, rank_out
+            assert out["ticks"] == 20, rank_out  # another Python thread ran while recv/wait_any waited
 
 
 def _forked_child(t: Any) -> None:

@@ -22,15 +22,33 @@ import torch.distributed as dist
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.transport import (
     MAX_TAG,
+    DelayedTransport,
+    LinkDelay,
+    PeerLost,
     Transport,
     TransportError,
     TransportTimeout,
     create_transport,
+    register_transport,
     transport_class,
 )
 from lightning_megatron.transport.header import DTYPE_CODES
 
 MiB = 1 << 20
+
+JITTER = LinkDelay(kind="exponential", mean_s=0.0005, probability=0.5, seed=11)
+"""The link delay of the ``shm+delay`` transport: half the messages wait (0.5 ms on average), half go at once."""
+
+
+class JitteryShm(DelayedTransport):
+    """``shm`` behind :data:`JITTER` on every link: the conformance suite runs against the delay wrapper too
+    (registered as ``shm+delay``; the name ``create_transport`` takes, with the inner transport's arguments)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(create_transport("shm", **kwargs), JITTER)
+
+
+register_transport("shm+delay", JitteryShm)  # imported by the test module before the ranks fork: they have it too
 
 
 def init() -> tuple[int, int]:
@@ -375,6 +393,140 @@ def timeouts(name: str) -> dict[str, float]:
         t.isend(peer, 777, torch.tensor([rank]))  # the tag that timed out still arrives afterwards
         check_received(t.recv(peer, 777, timeout=10), torch.tensor([peer]), "tag 777 after its timeout")
         t.wait_sends()
+    return out
+
+
+# -- wait-any ---------------------------------------------------------------------------------------------------
+
+
+def any_out_of_order(name: str) -> dict[str, Any]:
+    """``poll_any``/``wait_any`` return the index of the key whose message came, whatever the order of arrival
+    and of the keys; among several arrived ones, the first in ``keys``."""
+    rank, _ = init()
+    peer = 1 - rank
+    keys = [(peer, 10), (peer, 11), (peer, 12)]
+    out: dict[str, Any] = {}
+    with opened(name) as t:
+        assert t.poll_any(keys) is None  # nothing sent yet
+        dist.barrier()
+        # Both ranks send tag 12 only: wait_any must return index 2, whatever came before on other keys.
+        t.isend(peer, 12, torch.tensor([12, rank]))
+        index, got = t.wait_any(keys, timeout=10)
+        assert index == 2, f"wait_any returned index {index} for a message with tag 12"
+        check_received(got, torch.tensor([12, peer]), "wait_any tag 12")
+        assert t.poll_any(keys) is None, "a message delivered twice"
+        dist.barrier()
+        # Now tags 10 and 11 both arrive, then tag 13 as a marker. Every transport here moves one peer's messages
+        # over one ordered channel, so once 13 is filed, 10 and 11 are: poll_any must prefer the first in keys.
+        t.isend(peer, 10, torch.tensor([10, rank]))
+        t.isend(peer, 11, torch.tensor([11, rank]))
+        t.isend(peer, 13, torch.tensor([13, rank]))
+        check_received(t.recv(peer, 13), torch.tensor([13, peer]), "marker")
+        got_any = t.poll_any([(peer, 11), (peer, 10)])
+        assert got_any is not None and got_any[0] == 0, f"poll_any preferred {got_any}, not the first key (tag 11)"
+        check_received(got_any[1], torch.tensor([11, peer]), "poll_any tag 11")
+        index, got = t.wait_any([(peer, 11), (peer, 10)], timeout=10)
+        assert index == 1, index
+        check_received(got, torch.tensor([10, peer]), "wait_any tag 10")
+        # FIFO per key holds through wait_any, and keys of one tag from a single peer listed twice work.
+        for i in range(5):
+            t.isend(peer, 20, torch.tensor([i, rank]))
+        for i in range(5):
+            index, got = t.wait_any([(peer, 21), (peer, 20), (peer, 20)], timeout=10)
+            assert index == 1, index
+            check_received(got, torch.tensor([i, peer]), f"tag 20 message {i}")
+        # A wait that started before the message was sent.
+        dist.barrier()
+        if rank == 0:
+            start = time.monotonic()
+            index, got = t.wait_any([(peer, 30), (peer, 31)], timeout=10)
+            out["waited_s"] = time.monotonic() - start
+            assert index == 1, index
+            check_received(got, torch.tensor([31]), "tag 31 sent while waiting")
+        else:
+            time.sleep(0.05)
+            t.isend(peer, 31, torch.tensor([31]))
+        t.wait_sends()
+    return out
+
+
+def any_timeout_and_checks(name: str) -> dict[str, Any]:
+    """``wait_any`` of tags never sent raises TransportTimeout naming rank, peer, tags and timeout, in time;
+    bad keys raise MegatronConfigError naming the fix; the channel survives the timeout."""
+    rank, _ = init()
+    peer = 1 - rank
+    out: dict[str, Any] = {}
+    with opened(name, timeout=0.5) as t:
+        for timeout, limit in ((0.2, 0.2), (None, 0.5)):
+            start = time.monotonic()
+            try:
+                t.wait_any([(peer, 901), (peer, 902)], timeout=timeout)
+            except TransportTimeout as exc:
+                elapsed = time.monotonic() - start
+                text = str(exc)
+                assert isinstance(exc, TimeoutError), type(exc)
+                for word in (f"rank {rank}", f"rank {peer}", "901", "902", f"{limit:g} s"):
+                    assert word in text, f"{word!r} not in {text!r}"
+            else:
+                raise AssertionError("wait_any of tags never sent returned")
+            assert limit <= elapsed < limit + 1.0, f"raised after {elapsed:.2f} s, not ~{limit} s"
+            out[str(timeout)] = elapsed
+        start = time.monotonic()
+        assert t.poll_any([(peer, 901)]) is None
+        out["poll_any_s"] = time.monotonic() - start
+        out["empty"] = expect(MegatronConfigError, t.poll_any, [], words=("at least one",))
+        expect(MegatronConfigError, t.wait_any, [], words=("at least one",))
+        expect(MegatronConfigError, t.wait_any, [(peer,)], words=("(peer, tag)",))
+        expect(MegatronConfigError, t.poll_any, [(peer, -1)], words=("-1",))
+        expect(MegatronConfigError, t.poll_any, (peer, 5), words=("(peer, tag)",))  # one pair, not a list of pairs
+        expect(MegatronConfigError, t.poll_any, [(rank, 5)], words=("connect",))
+        dist.barrier()
+        t.isend(peer, 901, torch.tensor([rank]))  # a tag that timed out still arrives afterwards
+        index, got = t.wait_any([(peer, 902), (peer, 901)], timeout=10)
+        assert index == 1
+        check_received(got, torch.tensor([peer]), "tag 901 after its timeout")
+        t.wait_sends()
+    out["closed"] = expect(TransportError, t.poll_any, [(peer, 1)], words=("closed",))
+    return out
+
+
+def any_peer_closed(name: str) -> dict[str, Any]:
+    """Rank 1 closes its transport: rank 0's poll_any/wait_any still deliver what had arrived, then raise PeerLost
+    naming rank 1 and a tag, fast (not at the timeout)."""
+    rank, _ = init()
+    t = create_transport(name, timeout=30.0)
+    t.connect([1 - rank])
+    out: dict[str, Any] = {}
+    if rank == 1:
+        t.isend(0, 43, torch.tensor([43]))
+        t.isend(0, 44, torch.tensor([44]))
+        t.wait_sends()
+        dist.barrier()  # rank 0 has both
+        t.close()
+        dist.barrier()
+    else:
+        check_received(t.recv(1, 44), torch.tensor([44]), "marker")  # one ordered channel: 43 is filed too
+        dist.barrier()
+        dist.barrier()  # rank 1 has closed
+        keys = [(1, 42), (1, 43)]
+        got = t.poll_any(keys)
+        assert got is not None and got[0] == 1, f"poll_any did not deliver the arrived message first: {got}"
+        check_received(got[1], torch.tensor([43]), "arrived before the close")
+        start = time.monotonic()
+        try:
+            t.wait_any(keys, timeout=20.0)
+            out["wait_any"] = "returned"
+        except TransportError as exc:
+            out["wait_any"] = type(exc).__name__
+            out["message"] = str(exc)
+        out["wait_any_s"] = time.monotonic() - start
+        try:
+            t.poll_any(keys)
+            out["poll_any"] = "returned"
+        except PeerLost:
+            out["poll_any"] = "PeerLost"
+        t.close()
+    dist.barrier()
     return out
 
 

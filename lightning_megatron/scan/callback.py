@@ -253,6 +253,11 @@ class MegaScan(pl.Callback, StepListener):
         if self._layers is not None:
             self._layers.current = (phase, chunk, microbatch)
 
+    def p2p_messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
+        stack = self._open.get(name)
+        if stack:  # the schedule knows the messages' identity: it replaces the FIFO guess of _p2p_args
+            stack[-1].args.update(sends=sends, recvs=recvs)
+
     def _p2p_args(self, name: str, step: int) -> dict[str, Any]:
         neighbours = {
             "next": parallel_state.get_pipeline_model_parallel_next_rank(),

@@ -49,6 +49,12 @@ class StepListener:
     def microbatch(self, phase: str, chunk: int, microbatch: int) -> None:
         """The ``phase`` (``"forward"`` or ``"backward"``) now running is that of this chunk's microbatch."""
 
+    def p2p_messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
+        """The open p2p span ``name`` moves these messages (told by schedules that know, such as MegaDPP).
+
+        Each is ``{"peer", "bytes", "seq", "direction", ...}``; ``seq`` is the same on both ends of a message
+        (MegaDPP: its tag), so a tracer pairs sends with receives whatever order they ran in."""
+
 
 class _Timer:
     __slots__ = ("name", "listeners")
@@ -81,6 +87,11 @@ class TimersDispatcher:
         if timer is None:
             timer = self._timers[name] = _Timer(name, self.listeners)
         return timer
+
+    def messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
+        """Not megatron's API: a schedule tells the listeners what the open span ``name`` moves."""
+        for listener in self.listeners:
+            listener.p2p_messages(name, sends, recvs)
 
     def log(self, *args: Any, **kwargs: Any) -> None:  # megatron's Timers API; nothing to print here
         return None

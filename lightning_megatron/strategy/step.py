@@ -8,6 +8,10 @@ exact that are usually approximate:
   ``Σ loss_sum / Σ tokens`` over every microbatch and data-parallel replica, not a mean of means;
 * visibility: every rank gets the global value (reduced on the last stage, broadcast down the pipeline),
   so ``train_loss`` on a first-stage rank is the real loss, not a zero.
+
+Each model chunk reads the step's microbatches through a :class:`Microbatches`: megatron-core's schedules
+iterate it in order; a dynamic schedule ``seek``s the microbatch it is about to run, so data, labels and
+the index announced to listeners always belong together, whatever the order.
 """
 
 from __future__ import annotations
@@ -15,16 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from lightning_megatron.pipeline.registry import Schedule
+from lightning_megatron.pipeline.registry import ForwardBackwardFunc
 from lightning_megatron.strategy.listeners import StepListener
 
-__all__ = ["LossFn", "StepOutput", "run_forward_backward"]
+__all__ = ["LossFn", "Microbatches", "StepOutput", "run_forward_backward"]
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``loss_fn(output) -> (loss_sum, num_tokens)``: the summed loss over the microbatch's counted tokens."""
@@ -36,6 +40,36 @@ class StepOutput:
     """Global token-weighted mean loss of the step (fp32 scalar), identical on every rank."""
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
+
+
+class Microbatches:
+    """One step's microbatches as one model chunk reads them: in order by default, or by index after ``seek``.
+
+    ``served`` is the index of the microbatch ``next()`` returned last (what the forward step runs on)."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self._items = items
+        self._next = 0
+        self.served: Optional[int] = None
+
+    def __iter__(self) -> Microbatches:
+        return self
+
+    def __next__(self) -> Any:
+        if self._next >= len(self._items):
+            raise StopIteration
+        self.served = self._next
+        self._next += 1
+        return self._items[self.served]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def seek(self, index: int) -> None:
+        """The next ``next()`` returns microbatch ``index``."""
+        if not 0 <= index < len(self._items):
+            raise IndexError(f"microbatch {index} of a step with {len(self._items)}")
+        self._next = index
 
 
 def _checked_loss(loss_fn: LossFn, output: torch.Tensor):  # noqa: ANN202
@@ -54,7 +88,7 @@ def _checked_loss(loss_fn: LossFn, output: torch.Tensor):  # noqa: ANN202
 
 def run_forward_backward(
     *,
-    schedule: Schedule,
+    schedule: ForwardBackwardFunc,
     chunks: Sequence[torch.nn.Module],
     forward_step: Callable[[Any, torch.nn.Module], tuple[torch.Tensor, LossFn]],
     microbatches: Sequence[Any],
@@ -64,24 +98,23 @@ def run_forward_backward(
     device: torch.device,
     listeners: Sequence[StepListener] = (),
 ) -> StepOutput:
-    """Run ``schedule`` over ``microbatches`` (one optimizer step) and return the exact global loss.
+    """Run ``schedule`` (a schedule session) over ``microbatches`` (one step) and return the exact global loss.
 
     ``listeners`` learn which chunk and microbatch each forward and backward belongs to: the forward is
     announced before it runs; the backward when the gradient reaches the forward's output (a tensor hook).
     """
     chunk_index = {id(chunk): i for i, chunk in enumerate(chunks)}
-    forwards_done = [0] * len(chunks)
 
     def forward_step_func(data_iterator, model):  # noqa: ANN001, ANN202  (megatron-core's signature)
+        item = next(data_iterator)
         if not listeners:
-            output, loss_fn = forward_step(next(data_iterator), model)
+            output, loss_fn = forward_step(item, model)
             return output, partial(_checked_loss, loss_fn)
         chunk = chunk_index[id(model)]
-        microbatch = forwards_done[chunk]
-        forwards_done[chunk] += 1
+        microbatch = data_iterator.served
         for listener in listeners:
             listener.microbatch("forward", chunk, microbatch)
-        output, loss_fn = forward_step(next(data_iterator), model)
+        output, loss_fn = forward_step(item, model)
         if isinstance(output, torch.Tensor) and output.requires_grad:
 
             def announce_backward(grad: torch.Tensor) -> None:
@@ -91,11 +124,11 @@ def run_forward_backward(
             output.register_hook(announce_backward)
         return output, partial(_checked_loss, loss_fn)
 
-    # Each model chunk pulls every microbatch in order; stages use the fields they need. Lists even for
-    # one chunk: the non-interleaved schedules unwrap them, the interleaved one requires them.
-    records = schedule.forward_backward(
+    # Each model chunk reads every microbatch; stages use the fields they need. Lists even for one
+    # chunk: the non-interleaved schedules unwrap them, the interleaved one requires them.
+    records = schedule(
         forward_step_func=forward_step_func,
-        data_iterator=[iter(microbatches) for _ in chunks],
+        data_iterator=[Microbatches(microbatches) for _ in chunks],
         model=list(chunks),
         num_microbatches=len(microbatches),
         seq_length=seq_length,

@@ -40,7 +40,9 @@ from lightning_megatron.compat.lightning import ScriptLauncher
 from lightning_megatron.compat.megatron import batched_p2p_is_safe, initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
+from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSession
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO
+from lightning_megatron.strategy.collectives import gather_tensor, reduce_tensor
 from lightning_megatron.strategy.listeners import StepListener, TimersDispatcher
 from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
@@ -58,9 +60,6 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
 class MegatronAppStrategy(ParallelStrategy):
     """Train megatron-core models with tensor, pipeline, virtual-pipeline, data and sequence parallelism.
 
@@ -75,7 +74,9 @@ class MegatronAppStrategy(ParallelStrategy):
         micro_batch_size: Samples per microbatch. A Lightning batch is one optimizer step; it is split
             into ``batch size / micro_batch_size`` microbatches that flow through the pipeline.
         schedule: Registered pipeline schedule (``lightning_megatron.pipeline.available_schedules()``).
-            Default: ``"1f1b"``, or ``"interleaved"`` when virtual stages are set.
+            Default: ``"1f1b"``, or ``"interleaved"`` when virtual stages are set; ``"dpp"`` is MegaDPP.
+        schedule_options: The schedule's own settings, e.g. ``{"policy": "adaptive", "extra_activations": 2}``
+            for ``"dpp"`` (checked here, when the strategy is built).
         use_distributed_optimizer: Shard optimizer state and master weights across data-parallel
             ranks (ZeRO-1, megatron-core's distributed optimizer).
         overlap_grad_reduce: Overlap the data-parallel gradient reduction with the backward pass.
@@ -105,6 +106,7 @@ class MegatronAppStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         micro_batch_size: int = 1,
         schedule: Optional[str] = None,
+        schedule_options: Optional[dict[str, Any]] = None,
         use_distributed_optimizer: bool = False,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
@@ -140,6 +142,8 @@ class MegatronAppStrategy(ParallelStrategy):
         self.micro_batch_size = micro_batch_size
         self.schedule = get_schedule(schedule or ("interleaved" if virtual_pipeline_model_parallel_size else "1f1b"))
         self.schedule.validate(pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline)
+        self.schedule_options = self.schedule.options(schedule_options)
+        self._session: Optional[ScheduleSession] = None  # opened on the first step, closed at teardown
         if overlap_param_gather and not use_distributed_optimizer:
             raise MegatronConfigError(
                 "`overlap_param_gather=True` overlaps the distributed optimizer's parameter all-gather; set "
@@ -470,8 +474,11 @@ class MegatronAppStrategy(ParallelStrategy):
                     chunk.zero_grad_buffer()
             if self._optimizer is not None:
                 self._optimizer.clear_grads()
+        if self._session is None:
+            timeout = self._timeout.total_seconds()
+            self._session = self.schedule.open(ScheduleContext(self.schedule_options, self.root_device, timeout))
         return run_forward_backward(
-            schedule=self.schedule,
+            schedule=self._session,
             chunks=self._chunks,
             forward_step=module.forward_step,
             microbatches=microbatches,
@@ -502,37 +509,13 @@ class MegatronAppStrategy(ParallelStrategy):
         """Reduce over ``group``; by default the data-parallel group (see ``_default_group``)."""
         if not isinstance(tensor, Tensor) or not dist.is_initialized():
             return tensor
-        group = group if group is not None else self._default_group()
-        op = reduce_op if reduce_op is not None else "mean"
-        if isinstance(op, str):
-            name = op.lower()
-            if name not in ("mean", "avg", *_REDUCE_OPS):
-                raise ValueError(f"reduce_op={op!r} is not one of 'mean', 'sum', 'max', 'min'.")
-            mean = name in ("mean", "avg")
-            op = dist.ReduceOp.SUM if mean else _REDUCE_OPS[name]
-        else:
-            mean = op == dist.ReduceOp.AVG  # gloo has no AVG: sum, then divide
-            op = dist.ReduceOp.SUM if mean else op
-        result = tensor.clone()
-        if mean and not result.is_floating_point():
-            result = result.float()
-        dist.all_reduce(result, op=op, group=group)
-        return result / dist.get_world_size(group) if mean else result
+        return reduce_tensor(tensor, group if group is not None else self._default_group(), reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather ``tensor`` (same shape everywhere) from ``group``, by default the data-parallel group."""
         if not dist.is_initialized():
             return tensor.unsqueeze(0)
-        group = group if group is not None else self._default_group()
-        tensor = tensor.contiguous()
-        if sync_grads:
-            from torch.distributed.nn.functional import all_gather as differentiable_all_gather
-
-            gathered = differentiable_all_gather(tensor, group=group or dist.group.WORLD)
-        else:
-            gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, tensor, group=group)
-        return torch.stack(list(gathered))
+        return gather_tensor(tensor, group if group is not None else self._default_group(), sync_grads)
 
     def barrier(self, name: Optional[str] = None) -> None:
         if not dist.is_initialized():
@@ -596,6 +579,9 @@ class MegatronAppStrategy(ParallelStrategy):
             optimizer.load_sharded_state_dict(checkpoint["optimizer_states"][0])
 
     def teardown(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -11,18 +11,26 @@
 ========  ==================================================================================================
 
 Implementations are imported when first asked for, so importing this package never loads the extension.
+
+``create_transport(name, link_delay=LinkDelay(...))`` (or a mapping, from a YAML config) wraps the transport in
+:class:`~lightning_megatron.transport.delay.DelayedTransport`: messages on the chosen links reach the receiver
+late, reproducibly, while the sender goes on (for evaluating schedules on slow or jittery links).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.transport.base import MAX_TAG, PeerLost, SendHandle, Transport, TransportError, TransportTimeout
+from lightning_megatron.transport.delay import DelayedTransport, LinkDelay
 
 __all__ = [
     "MAX_TAG",
+    "DelayedTransport",
+    "LinkDelay",
     "PeerLost",
     "SendHandle",
     "Transport",
@@ -63,6 +71,19 @@ def transport_class(name: str) -> type[Transport]:
     return entry
 
 
-def create_transport(name: str, **kwargs: Any) -> Transport:
-    """``create_transport("shm", device="cpu", timeout=60)``: see :class:`Transport` for the arguments."""
-    return transport_class(name)(**kwargs)
+def create_transport(
+    name: str, *, link_delay: Optional[Union[LinkDelay, Mapping[str, Any]]] = None, **kwargs: Any
+) -> Transport:
+    """``create_transport("shm", device="cpu", timeout=60)``: see :class:`Transport` for the arguments.
+
+    ``link_delay``: a :class:`LinkDelay` (or a mapping of its fields) wraps the transport in a
+    :class:`DelayedTransport` that delivers messages on the chosen links late; None (default): no wrapper."""
+    spec = None if link_delay is None else LinkDelay.coerce(link_delay)  # a bad spec fails before anything opens
+    transport = transport_class(name)(**kwargs)
+    if spec is None:
+        return transport
+    try:
+        return DelayedTransport(transport, spec)
+    except BaseException:
+        transport.close()
+        raise

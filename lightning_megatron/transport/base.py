@@ -16,6 +16,15 @@ Semantics, the same for every implementation (``tests/test_transport.py`` checks
 * ``recv(peer, tag, timeout)`` blocks, and raises :class:`TransportTimeout` naming the peer and the tag instead
   of hanging; a dead or departed peer raises :class:`PeerLost` as soon as the transport can tell (messages that
   had fully arrived are still delivered first), and sends to it fail (``done()`` raises) from then on.
+* Wait-any, for schedules that run whichever task's input comes first: ``poll_any(keys)`` (never blocks) and
+  ``wait_any(keys, timeout)`` (blocks; :class:`TransportTimeout` naming every peer and tag waited for) take the
+  first arrived message among the ``(peer, tag)`` keys, checked in the order given, and return
+  ``(index into keys, tensor)``. When none has arrived and the peer of one key is gone, they raise
+  :class:`PeerLost` for that key (as ``poll``/``recv`` do; arrived messages are still delivered first).
+* "Arrived" means *usable*: where a payload is produced asynchronously (CUDA IPC in ``shm``), ``poll``,
+  ``poll_any`` and ``wait_any`` report a message only once its data is ready, so a schedule never picks a task
+  whose input is still being computed on the sender's GPU. ``recv``, which commits to one message, may return
+  earlier and order the caller's stream after the data instead (``shm`` does).
 * Received tensors are contiguous, on the transport's ``device``, and owned by the caller.
 * Completion tracking: every send belongs to the step set by ``begin_step``; ``sends_done(step)`` says whether
   all of that step's sends have left this process's hands (their buffers may be reused), and ``wait_sends``
@@ -29,7 +38,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Optional, Union
 
 import torch
@@ -43,6 +52,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "TransportTimeout",
+    "describe_keys",
 ]
 
 MAX_TAG = 2**62 - 1
@@ -90,6 +100,18 @@ class SendHandle(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(peer={self.peer}, tag={self.tag}, nbytes={self.nbytes}, step={self.step})"
+
+
+def describe_keys(keys: Sequence[tuple[int, int]]) -> str:
+    """``(peer, tag)`` keys for an error message, grouped by peer: ``"rank 1 tags [3, 4]; rank 2 tag 5"``."""
+    by_peer: dict[int, list[int]] = {}
+    for peer, tag in keys:
+        by_peer.setdefault(peer, []).append(tag)
+    parts = []
+    for peer, tags in by_peer.items():
+        shown = ", ".join(str(t) for t in tags[:8]) + (f", ... ({len(tags)} tags)" if len(tags) > 8 else "")
+        parts.append(f"rank {peer} tag {shown}" if len(tags) == 1 else f"rank {peer} tags [{shown}]")
+    return "; ".join(parts)
 
 
 def _finished(handle: SendHandle) -> bool:
@@ -205,6 +227,33 @@ class Transport(abc.ABC):
             )
         return tensor
 
+    def poll_any(self, keys: Sequence[tuple[int, int]]) -> Optional[tuple[int, torch.Tensor]]:
+        """The first arrived message among ``keys`` (``(peer, tag)`` pairs, checked in the order given) as
+        ``(index into keys, tensor)``, or ``None`` if none has arrived. Never blocks.
+
+        A dynamic schedule asks for the inputs of every task it could run next and runs whichever came first.
+        Raises :class:`PeerLost` for a key whose peer is gone when no key has a message (arrived messages are
+        delivered first, as with :meth:`poll`)."""
+        checked = self._check_keys(keys, "poll_any")
+        return self._poll_any(checked)
+
+    def wait_any(self, keys: Sequence[tuple[int, int]], timeout: Optional[float] = None) -> tuple[int, torch.Tensor]:
+        """Block until one of ``keys`` (``(peer, tag)`` pairs) has a message; return ``(index into keys, tensor)``
+        of the first arrived one (in the order of ``keys`` when several have).
+
+        ``timeout`` (default: the transport's) raises :class:`TransportTimeout` naming the peers and tags waited
+        for instead of hanging; :class:`PeerLost` as in :meth:`poll_any`."""
+        checked = self._check_keys(keys, "wait_any")
+        timeout = self.timeout if timeout is None else float(timeout)
+        got = self._wait_any(checked, timeout)
+        if got is None:
+            raise TransportTimeout(
+                f"transport {self.name!r}: rank {self.rank} got none of the messages it waited for "
+                f"({describe_keys(checked)}) within {timeout:.3g} s (the peers are alive but did not send them: "
+                "check the schedule's tags)."
+            )
+        return got
+
     @abc.abstractmethod
     def _isend(self, peer: int, tag: int, tensor: torch.Tensor, step: int) -> SendHandle: ...
 
@@ -213,12 +262,33 @@ class Transport(abc.ABC):
 
     def _recv(self, peer: int, tag: int, timeout: float) -> Optional[torch.Tensor]:
         """Wait for ``(peer, tag)``; ``None`` on timeout. Implementations with a blocking primitive override it."""
+        got = Transport._wait_any(self, [(peer, tag)], timeout)
+        return None if got is None else got[1]
+
+    def _poll_any(self, keys: list[tuple[int, int]]) -> Optional[tuple[int, torch.Tensor]]:
+        """``_poll`` over ``keys`` in order; a key whose peer is gone is reported only if no key has a message.
+        Implementations that can look at all keys in one go (under one lock) override it."""
+        lost: Optional[PeerLost] = None
+        for index, (peer, tag) in enumerate(keys):
+            try:
+                tensor = self._poll(peer, tag)
+            except PeerLost as exc:
+                lost = lost or exc
+                continue
+            if tensor is not None:
+                return index, tensor
+        if lost is not None:
+            raise lost
+        return None
+
+    def _wait_any(self, keys: list[tuple[int, int]], timeout: float) -> Optional[tuple[int, torch.Tensor]]:
+        """Wait for any of ``keys``; ``None`` on timeout. Implementations with a blocking primitive override it."""
         deadline = time.monotonic() + timeout
         delay = 1e-6
         while True:
-            tensor = self._poll(peer, tag)
-            if tensor is not None:
-                return tensor
+            got = self._poll_any(keys)
+            if got is not None:
+                return got
             if time.monotonic() > deadline:
                 return None
             time.sleep(delay)
@@ -295,6 +365,32 @@ class Transport(abc.ABC):
     def _check_tag(tag: int) -> None:
         if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
             raise MegatronConfigError(f"transport tag {tag!r}: tags are ints in [0, 2**62).")
+
+    def _check_keys(self, keys: Sequence[tuple[int, int]], what: str) -> list[tuple[int, int]]:
+        """``keys`` as a list of ``(peer, tag)`` int pairs, each peer connected and each tag valid."""
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+            raise MegatronConfigError(
+                f"{what}(keys={keys!r}): keys must be a list of (peer, tag) pairs, e.g. [(1, 7), (2, 7)]."
+            )
+        if not keys:
+            raise MegatronConfigError(
+                f"{what}(keys=[]) on rank {self.rank}: there is nothing to wait for; pass at least one (peer, tag) "
+                "pair (a schedule with no receivable task should run or wait on something else)."
+            )
+        checked = []
+        for key in keys:
+            try:
+                peer, tag = key
+            except (TypeError, ValueError):
+                raise MegatronConfigError(
+                    f"{what}: key {key!r} is not a (peer, tag) pair; pass keys like [(1, 7), (2, 7)]."
+                ) from None
+            if isinstance(peer, bool) or not isinstance(peer, int):
+                raise MegatronConfigError(f"{what}: key {key!r}: the peer must be an int rank, not {peer!r}.")
+            self._check_peer(peer)
+            self._check_tag(tag)
+            checked.append((peer, tag))
+        return checked
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, peers={sorted(self.peers)})"

@@ -11,7 +11,12 @@ The ``shm`` transport carries the *descriptors*; the bytes move GPU to GPU over 
   wait for the sender's event and copies the bytes into a fresh tensor with ``cudaMemcpyAsync`` on that stream
   (the caller's later work on the stream is ordered after it, as with any CUDA op), records its own
   interprocess event and acknowledges the slot on a reserved tag;
-* the sender reuses a slot only after that acknowledgement, and its copy-in waits for the receiver's event.
+* the sender reuses a slot only after that acknowledgement, and its copy-in waits for the receiver's event;
+* the descriptor travels as soon as the copy-in is *queued*, while the sender's GPU may still be computing the
+  tensor. :meth:`CudaIpcChannel.ready` queries the slot's event (the copy-in, which runs after the tensor's
+  producers, has completed), and the ``shm`` transport's ``poll``/``poll_any``/``wait_any`` report a message
+  only once it is ready: a dynamic schedule never picks a task whose input would stall its GPU. A slot's event is
+  recorded again only after the receiver acknowledged the slot, so while a descriptor waits, its event is its own.
 
 A send never blocks and never waits for the receiver: the receiver may take messages in any tag order, so a
 slot is freed only when the receiver gets round to its message. When every slot to a peer is in flight a new
@@ -245,6 +250,29 @@ class CudaIpcChannel:
 
     # -- receiving ----------------------------------------------------------------------------------------
 
+    def _incoming_for(self, peer: int, index: int, event_handle: bytes) -> _Incoming:
+        incoming = self._incoming.get((peer, index))
+        if incoming is None:
+            with torch.cuda.device(self.device):
+                # both events live as long as the slot: the sender holds on to the one it was first given
+                incoming = self._incoming[(peer, index)] = _Incoming(
+                    ptr=0,
+                    generation=-1,
+                    event=torch.cuda.Event.from_ipc_handle(self.device, event_handle),
+                    released=torch.cuda.Event(interprocess=True),
+                )
+        return incoming
+
+    def ready(self, peer: int, header: bytes) -> bool:
+        """Whether the data of the CUDA descriptor ``header`` from ``peer`` is in its slot: the sender's copy-in
+        (queued behind the tensor's producers) has completed. Never blocks; a CUDA error raises RuntimeError."""
+        if self.runtime is None:
+            return True  # receive() says what is wrong
+        _device, index, _generation, _nbytes, _mem, event_handle = _DESCRIPTOR.unpack(header[hdr.HEADER_BYTES :])
+        incoming = self._incoming_for(peer, index, event_handle)
+        with torch.cuda.device(self.device):
+            return bool(incoming.event.query())
+
     def receive(self, peer: int, header: bytes) -> torch.Tensor:
         """The tensor of a CUDA descriptor from ``peer``: copied out of the sender's slot on the current stream."""
         h = hdr.unpack(header[: hdr.HEADER_BYTES])
@@ -254,16 +282,8 @@ class CudaIpcChannel:
             raise TransportError(
                 f"{self.transport.label}: a CUDA IPC message from rank {peer}, but no CUDA runtime here"
             )
+        incoming = self._incoming_for(peer, index, event_handle)
         with torch.cuda.device(self.device):
-            incoming = self._incoming.get((peer, index))
-            if incoming is None:
-                # both events live as long as the slot: the sender holds on to the one it was first given
-                incoming = self._incoming[(peer, index)] = _Incoming(
-                    ptr=0,
-                    generation=-1,
-                    event=torch.cuda.Event.from_ipc_handle(self.device, event_handle),
-                    released=torch.cuda.Event(interprocess=True),
-                )
             if nbytes and incoming.generation != generation:  # the sender (re)allocated the slot
                 if incoming.ptr:
                     rt.close(incoming.ptr)

@@ -182,6 +182,21 @@ class NativeTransport(Transport):
         msg = self._engine.wait_take(peer, tag, timeout)
         return None if msg is None else self._decode(peer, tag, *msg)
 
+    def _poll_any(self, keys: list[tuple[int, int]]) -> Optional[tuple[int, torch.Tensor]]:
+        msg = self._engine.take_any(keys)  # every key under one lock of the mailbox
+        if msg is None:
+            return None
+        index, header, buf = msg
+        return index, self._decode(*keys[index], header, buf)
+
+    def _wait_any(self, keys: list[tuple[int, int]], timeout: float) -> Optional[tuple[int, torch.Tensor]]:
+        # Blocks in C++ on the mailbox's condition variable (GIL released, Ctrl-C checked every 50 ms).
+        msg = self._engine.wait_take_any(keys, timeout)
+        if msg is None:
+            return None
+        index, header, buf = msg
+        return index, self._decode(*keys[index], header, buf)
+
     def _decode(self, peer: int, tag: int, header: bytes, buf: Any) -> torch.Tensor:
         """Turn a received message into the caller's tensor (the hook for further kinds of messages)."""
         try:

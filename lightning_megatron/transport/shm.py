@@ -9,22 +9,37 @@ both unlink the names as soon as both sides have mapped them, so nothing is left
 CUDA tensors (a transport with ``device="cuda:N"``) move GPU to GPU through CUDA IPC staging slots
 (:mod:`~lightning_megatron.transport.cuda_ipc`); the rings carry only their descriptors. Where torch's CUDA
 runtime cannot be bound, they are staged through the host instead.
+
+A descriptor arrives as soon as the sender has *queued* its copy-in, possibly long before its GPU has computed
+the tensor. ``poll``, ``poll_any`` and ``wait_any`` report a CUDA message only once the sender's copy-in event
+has completed: a descriptor whose data is not ready is *parked* (per ``(peer, tag)``, in arrival order, ahead of
+anything the mailbox still holds for that key) and reported as not arrived; later polls look at parked messages
+first. ``wait_any`` blocks on the mailbox while nothing is parked, and looks at the parked events every 10 to 200
+microseconds otherwise (an interprocess event cannot be waited on together with the mailbox). ``recv`` keeps
+delivering at arrival: it has committed to that message, and the copy-out on the caller's current stream waits
+for the sender's event, so the GPU orders the work and the host does not wait.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import time
+from collections import deque
 from typing import Any, Optional
 
 import torch
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.transport import header as hdr
-from lightning_megatron.transport.base import SendHandle
+from lightning_megatron.transport.base import PeerLost, SendHandle, Transport, TransportError
 from lightning_megatron.transport.native import NativeTransport, _native, node_identity
 
 __all__ = ["ShmTransport"]
+
+_READY_POLL_S = (10e-6, 200e-6)
+"""``wait_any`` with parked CUDA messages: first and longest sleep between looks at their events (doubling)."""
+_PEER_LOST = 3  # the engine's peer_state() of a peer that died
 
 
 class ShmTransport(NativeTransport):
@@ -62,6 +77,8 @@ class ShmTransport(NativeTransport):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._parked: dict[tuple[int, int], deque[tuple[bytes, Any]]] = {}
+        """CUDA descriptors taken from the mailbox whose data was not ready yet, per ``(peer, tag)`` in order."""
         self._cuda: Optional[Any] = None
         if self.device.type == "cuda":
             from lightning_megatron.transport.cuda_ipc import CudaIpcChannel
@@ -140,6 +157,89 @@ class ShmTransport(NativeTransport):
             tensor = tensor.cpu()  # staged through the host: no CUDA IPC here, another device, or no free slot
         return super()._isend(peer, tag, tensor, step)
 
+    # -- CUDA tensors: report a message once its data is ready (see the module docstring) --------------------
+
+    def _payload_ready(self, peer: int, tag: int, header: bytes) -> bool:
+        try:
+            ready = self._cuda.ready(peer, header)
+        except RuntimeError as exc:  # a CUDA error of the event query
+            raise TransportError(
+                f"{self.label}: the CUDA event of the message from rank {peer} with tag {tag} failed: {exc}"
+            ) from exc
+        if not ready and self._engine.peer_state(peer) == _PEER_LOST:
+            raise PeerLost(
+                f"{self.label}: rank {peer} died before the data of its message with tag {tag} was ready on its GPU; "
+                "it will not come."
+            )
+        return ready
+
+    def _ready_or_park(self, peer: int, tag: int, header: bytes, buf: Any) -> Optional[torch.Tensor]:
+        """A message just taken from the mailbox (nothing parked for its key): its tensor, or park it."""
+        if hdr.kind_of(header) == hdr.KIND_CUDA and not self._payload_ready(peer, tag, header):
+            self._parked.setdefault((peer, tag), deque()).append((header, buf))
+            return None
+        return self._decode(peer, tag, header, buf)
+
+    def _unpark(self, key: tuple[int, int]) -> tuple[bytes, Any]:
+        parked = self._parked[key]
+        entry = parked.popleft()
+        if not parked:
+            del self._parked[key]
+        return entry
+
+    def _poll(self, peer: int, tag: int) -> Optional[torch.Tensor]:
+        if self._cuda is None:
+            return super()._poll(peer, tag)
+        parked = self._parked.get((peer, tag))
+        if parked:  # the oldest message of the key: nothing behind it may overtake it
+            header, buf = parked[0]
+            if not self._payload_ready(peer, tag, header):
+                return None
+            self._unpark((peer, tag))
+            return self._decode(peer, tag, header, buf)
+        msg = self._engine.take(peer, tag)
+        return None if msg is None else self._ready_or_park(peer, tag, *msg)
+
+    def _poll_any(self, keys: list[tuple[int, int]]) -> Optional[tuple[int, torch.Tensor]]:
+        if self._cuda is None:
+            return super()._poll_any(keys)
+        return Transport._poll_any(self, keys)  # key by key through the parking _poll, in the order given
+
+    def _wait_any(self, keys: list[tuple[int, int]], timeout: float) -> Optional[tuple[int, torch.Tensor]]:
+        if self._cuda is None:
+            return super()._wait_any(keys, timeout)
+        deadline = time.monotonic() + timeout
+        pause = _READY_POLL_S[0]
+        while True:
+            got = self._poll_any(keys)
+            if got is not None:
+                return got
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            free = [i for i, key in enumerate(keys) if key not in self._parked]
+            if len(free) == len(keys):  # nothing parked: sleep in the mailbox until something arrives
+                slice_s = remaining
+            else:  # a parked message may become ready any moment: look again soon
+                slice_s = min(remaining, pause)
+                pause = min(2 * pause, _READY_POLL_S[1])
+            if not free:
+                time.sleep(slice_s)
+                continue
+            msg = self._engine.wait_take_any([keys[i] for i in free], slice_s)
+            if msg is None:
+                continue
+            index = free[msg[0]]
+            tensor = self._ready_or_park(*keys[index], msg[1], msg[2])
+            if tensor is not None:
+                return index, tensor
+
+    def _recv(self, peer: int, tag: int, timeout: float) -> Optional[torch.Tensor]:
+        # recv delivers at arrival, ready or not: the copy-out on the caller's stream waits for the sender's event.
+        if self._cuda is not None and (peer, tag) in self._parked:
+            return self._decode(peer, tag, *self._unpark((peer, tag)))
+        return super()._recv(peer, tag, timeout)
+
     def _decode(self, peer: int, tag: int, header: bytes, buf: Any) -> torch.Tensor:
         if self._cuda is not None and hdr.kind_of(header) == hdr.KIND_CUDA:
             return self._cuda.receive(peer, header)
@@ -147,6 +247,7 @@ class ShmTransport(NativeTransport):
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     def _close(self) -> None:
+        self._parked.clear()
         if self._cuda is not None:
             self._cuda.close()
         super()._close()

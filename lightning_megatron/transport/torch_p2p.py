@@ -26,7 +26,8 @@ Design
   ``Work.is_completed()`` stays ``False`` until someone calls ``wait()`` (gloo has no non-blocking completion
   test), and a ``wait(timeout)`` that expires closes the pair for good; the thread's ``wait()`` releases the
   GIL. NCCL payload receives are polled with ``is_completed()``.
-* **Deadlines** are ours: ``recv`` waits on a condition variable until its deadline and raises
+* **Deadlines** are ours: ``recv`` (and ``wait_any``, over several keys) waits on a condition variable until
+  its deadline and raises
   :class:`TransportTimeout`; the channel stays usable, and the message can still be received later.
 * **Sends**: header, then payload, under a per-peer lock (threads cannot interleave them). A second thread per
   peer waits on the send works in order and marks the handles ``done()`` (the backends have read the tensor).
@@ -421,6 +422,34 @@ class TorchTransport(Transport):
                 if tensor is not None:
                     return tensor
                 self._raise_if_gone(peer, tag)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._mailbox.cond.wait(remaining)
+
+    def _take_any(self, keys: list[tuple[int, int]]) -> Optional[tuple[int, torch.Tensor]]:
+        """Under the mailbox lock: the first of ``keys`` with an arrived tensor; else raise for a key whose peer
+        is gone (nothing can come for it), else ``None``."""
+        for index, (peer, tag) in enumerate(keys):
+            tensor = self._take(peer, tag)
+            if tensor is not None:
+                return index, tensor
+        for peer, tag in keys:
+            self._raise_if_gone(peer, tag)
+        return None
+
+    def _poll_any(self, keys: list[tuple[int, int]]) -> Optional[tuple[int, torch.Tensor]]:
+        with self._mailbox.cond:
+            return self._take_any(keys)
+
+    def _wait_any(self, keys: list[tuple[int, int]], timeout: float) -> Optional[tuple[int, torch.Tensor]]:
+        # The receive threads notify the condition on every arrival and on every peer's departure or loss.
+        deadline = time.monotonic() + timeout
+        with self._mailbox.cond:
+            while True:
+                got = self._take_any(keys)
+                if got is not None:
+                    return got
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None

@@ -83,6 +83,42 @@ bool Mailbox::wait_take(int peer, uint64_t tag, double timeout, Message* out) {
   }
 }
 
+bool Mailbox::take_any_locked(const std::vector<std::pair<int, uint64_t>>& keys, size_t* index, Message* out) {
+  for (size_t i = 0; i < keys.size(); i++) {
+    auto it = boxes_.find(Key{keys[i].first, keys[i].second});
+    if (it == boxes_.end()) continue;
+    *out = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) boxes_.erase(it);
+    queued_--;
+    *index = i;
+    return true;
+  }
+  if (shutdown_) fail(label_ + " is closed");
+  for (const auto& key : keys) {
+    const PeerState st = states_.at(size_t(key.first));
+    if (st == PeerState::Lost || st == PeerState::Closed)
+      fail(ErrKind::PeerLost, label_ + ": no message from rank " + std::to_string(key.first) + " with tag " +
+                                  std::to_string(key.second) + " and none can come: " + reasons_[size_t(key.first)]);
+  }
+  return false;
+}
+
+bool Mailbox::take_any(const std::vector<std::pair<int, uint64_t>>& keys, size_t* index, Message* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return take_any_locked(keys, index, out);
+}
+
+bool Mailbox::wait_take_any(const std::vector<std::pair<int, uint64_t>>& keys, double timeout, size_t* index,
+                            Message* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+  while (true) {
+    if (take_any_locked(keys, index, out)) return true;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) return take_any_locked(keys, index, out);
+  }
+}
+
 PeerState Mailbox::state(int peer) {
   std::lock_guard<std::mutex> lock(mu_);
   return states_.at(size_t(peer));

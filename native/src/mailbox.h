@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "buffer_pool.h"
@@ -41,6 +42,12 @@ class Mailbox {
   bool take(int peer, uint64_t tag, Message* out);
   // Blocks up to `timeout` seconds; false on timeout. Throws like take().
   bool wait_take(int peer, uint64_t tag, double timeout, Message* out);
+  // Wait-any (a dynamic schedule runs whichever task's input arrives first): the first of `keys`, in the order
+  // given, with a queued message; `*index` is its position in `keys`. Non-blocking. If none has a message and
+  // the peer of one key is gone, throws PeerLost for that key (queued messages are always delivered first).
+  bool take_any(const std::vector<std::pair<int, uint64_t>>& keys, size_t* index, Message* out);
+  // Like take_any, blocking up to `timeout` seconds on the same condition variable as wait_take.
+  bool wait_take_any(const std::vector<std::pair<int, uint64_t>>& keys, double timeout, size_t* index, Message* out);
 
   PeerState state(int peer);
   size_t queued();  // messages filed and not yet taken (all peers)
@@ -56,6 +63,7 @@ class Mailbox {
     size_t operator()(const Key& k) const { return std::hash<uint64_t>()(k.tag * 0x9E3779B97F4A7C15ull ^ uint64_t(k.peer)); }
   };
   bool take_locked(int peer, uint64_t tag, Message* out);
+  bool take_any_locked(const std::vector<std::pair<int, uint64_t>>& keys, size_t* index, Message* out);
 
   std::string label_;
   std::mutex mu_;
@@ -107,6 +115,7 @@ class Engine {
   Mailbox& mailbox() { return mailbox_; }
   BufferPool& pool() { return *pool_; }
   int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
   const std::string& label() const { return mailbox_.label(); }
 
  protected:

@@ -55,6 +55,20 @@ py::object message_to_python(Message& msg) {
   return py::make_tuple(py::bytes(msg.header), payload);
 }
 
+py::object any_to_python(size_t index, Message& msg) {
+  py::object payload = py::none();
+  if (msg.payload && msg.payload->size > 0) payload = py::cast(msg.payload);
+  return py::make_tuple(index, py::bytes(msg.header), payload);
+}
+
+// Wait-any keys come from Python: an empty list would wait for nothing, a bad rank would index past the peers.
+void check_keys(Engine& e, const std::vector<std::pair<int, uint64_t>>& keys) {
+  if (keys.empty()) throw py::value_error(e.label() + ": take_any/wait_take_any need at least one (peer, tag) key");
+  for (const auto& key : keys)
+    if (key.first < 0 || key.first >= e.world_size() || key.first == e.rank())
+      throw py::value_error(e.label() + ": rank " + std::to_string(key.first) + " in the keys is not a peer");
+}
+
 const uint8_t* as_ptr(uintptr_t address) { return reinterpret_cast<const uint8_t*>(address); }
 
 }  // namespace
@@ -118,6 +132,29 @@ PYBIND11_MODULE(_native, m) {
             return message_to_python(msg);
           },
           "Like take, waiting up to timeout seconds (None on timeout).")
+      .def(
+          "take_any",
+          [](Engine& e, const std::vector<std::pair<int, uint64_t>>& keys) -> py::object {
+            check_keys(e, keys);
+            Message msg;
+            size_t index = 0;
+            if (!e.mailbox().take_any(keys, &index, &msg)) return py::none();
+            return any_to_python(index, msg);
+          },
+          py::arg("keys"),
+          "(index, header, Buffer | None) of the oldest arrived message of the first (peer, tag) in keys that has "
+          "one, or None. Never blocks; raises PeerLost if none has arrived and a key's peer is gone.")
+      .def(
+          "wait_take_any",
+          [](Engine& e, const std::vector<std::pair<int, uint64_t>>& keys, double timeout) -> py::object {
+            check_keys(e, keys);
+            Message msg;
+            size_t index = 0;
+            if (!blocking(timeout, [&](double s) { return e.mailbox().wait_take_any(keys, s, &index, &msg); }))
+              return py::none();
+            return any_to_python(index, msg);
+          },
+          py::arg("keys"), py::arg("timeout"), "Like take_any, waiting up to timeout seconds (None on timeout).")
       .def("pool_stats",
            [](Engine& e) {
              PoolStats s = e.pool().stats();

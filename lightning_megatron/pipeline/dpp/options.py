@@ -1,0 +1,68 @@
+"""The settings of the ``"dpp"`` schedule (``MegatronAppStrategy(schedule="dpp", schedule_options={...})``).
+
+Parsed when the strategy is built, so a typo or a bad value fails at once, naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.pipeline.dpp.policy import POLICIES
+
+__all__ = ["DppOptions", "parse_options"]
+
+
+@dataclass(frozen=True)
+class DppOptions:
+    policy: str = "adaptive"
+    """``static`` (megatron-core's order), ``adaptive``, ``depth-first`` or ``breadth-first``."""
+    extra_activations: int = 0
+    """Activations a rank may hold beyond the interleaved schedule's peak, to run ahead when a link is late."""
+    transport: str = "auto"
+    """``shm`` on one node (CUDA IPC on GPUs), ``torch``, ``tcp``, ``rdma``; ``auto``: shm if the job fits a node."""
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the transport (``ring_bytes``, ``cuda_slots``, ...)."""
+    link_delay: Optional[dict[str, Any]] = None
+    """For evaluation: delay messages on chosen links (``transport.LinkDelay`` fields), inside the transport."""
+    grace_fraction: float = 0.1
+    """``adaptive``: leave megatron-core's order once its next input is this many forward times late."""
+    max_ahead: int = 2
+    """GPUs: tasks the host may queue ahead of the GPU (a deeper queue makes decisions on stale readiness)."""
+
+
+def parse_options(raw: Mapping[str, Any]) -> DppOptions:
+    known = {f.name for f in fields(DppOptions)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise MegatronConfigError(
+            f"schedule_options for schedule='dpp' has unknown keys {unknown}; the keys are {sorted(known)}."
+        )
+    options = DppOptions(**raw)
+    if options.policy not in POLICIES:
+        raise MegatronConfigError(
+            f"schedule_options.policy={options.policy!r}: choose one of {', '.join(POLICIES)} (default 'adaptive')."
+        )
+    if not isinstance(options.extra_activations, int) or options.extra_activations < 0:
+        raise MegatronConfigError(
+            f"schedule_options.extra_activations={options.extra_activations!r}: a whole number >= 0 (each extra "
+            "activation costs one microbatch's stage activations in memory)."
+        )
+    if not isinstance(options.max_ahead, int) or options.max_ahead < 1:
+        raise MegatronConfigError(f"schedule_options.max_ahead={options.max_ahead!r}: a whole number >= 1.")
+    if not isinstance(options.grace_fraction, (int, float)) or options.grace_fraction < 0:
+        raise MegatronConfigError(
+            f"schedule_options.grace_fraction={options.grace_fraction!r}: a number >= 0 (0 reorders at once)."
+        )
+    from lightning_megatron.transport import available_transports
+
+    if options.transport != "auto" and options.transport not in available_transports():
+        raise MegatronConfigError(
+            f"schedule_options.transport={options.transport!r}: choose 'auto' or one of "
+            f"{', '.join(available_transports())}."
+        )
+    if not isinstance(options.transport_options, Mapping):
+        raise MegatronConfigError("schedule_options.transport_options must be a mapping of transport arguments.")
+    return options

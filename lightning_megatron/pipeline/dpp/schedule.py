@@ -1,0 +1,495 @@
+"""MegaDPP's executor: one step of forwards and backwards in whatever order the policy picks, over a transport.
+
+A :class:`DppSession` lives for one fit (the strategy opens it on the first step and closes it at teardown): it
+owns a tagged transport connected to this rank's pipeline neighbours (and, with tensor parallelism, to its TP
+peers) and the policy, whose learned timings carry over from step to step. Each call runs one step:
+
+* tasks are ``(phase, chunk, microbatch)`` (:mod:`~lightning_megatron.pipeline.dpp.plan`); a forward runs
+  megatron-core's ``forward_step`` on the microbatch it names (the strategy's microbatches are seekable), a
+  backward its ``backward_step``; a stage's output is deallocated right after its send (the transport holds
+  its own reference), as megatron-core does;
+* messages are matched by tags derived from what they carry, so they may arrive and be taken in any order;
+  the rank takes what has arrived, asks the policy (:mod:`~lightning_megatron.pipeline.dpp.policy`), and
+  waits on *any* awaited message only when nothing can run;
+* with TP > 1 the TP rank 0 decides and tells its TP peers through the transport (one small message per
+  task, no collective per decision); they run the same task on their shard;
+* gradient sync: every chunk's reduction starts as soon as its last backward is done, in a fixed chunk order
+  (last chunk first) so that every data-parallel rank issues the same collectives in the same order; then
+  ``finalize_model_grads`` with the step's token count, as megatron-core's schedules do;
+* GPUs: the host queues at most ``max_ahead`` tasks ahead of its GPU (CUDA events), so a decision is made on
+  fresh readiness, and the events time each task for the adaptive policy.
+
+Waits are bounded by the strategy's timeout (:class:`~lightning_megatron.transport.TransportTimeout` names what
+was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost` naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import (
+    backward_step,
+    check_first_val_step,
+    deallocate_output_tensor,
+    forward_step,
+)
+from megatron.core.utils import get_model_config, get_model_type
+
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.pipeline.dpp.options import DppOptions
+from lightning_megatron.pipeline.dpp.plan import (
+    ACTIVATION,
+    BACKWARD,
+    DECISION,
+    FORWARD,
+    Message,
+    StagePlan,
+    Task,
+    message_tag,
+)
+from lightning_megatron.pipeline.dpp.policy import Policy, StageState, make_policy
+from lightning_megatron.pipeline.registry import ScheduleContext
+from lightning_megatron.transport import Transport, TransportTimeout, create_transport
+
+__all__ = ["DppSession"]
+
+_P2P_NAMES = {  # megatron-core's timer names, so MegaScan draws these spans as it draws theirs
+    (ACTIVATION, "send"): "forward-send",
+    (ACTIVATION, "recv"): "forward-recv",
+    (1, "send"): "backward-send",
+    (1, "recv"): "backward-recv",
+}
+
+
+class DppSession:
+    """The ``"dpp"`` schedule for one fit; called like megatron-core's ``forward_backward_func``."""
+
+    def __init__(self, context: ScheduleContext) -> None:
+        self.options: DppOptions = context.options
+        self.device = torch.device(context.device)
+        self.timeout = float(context.timeout)
+        self.policy: Policy = make_policy(self.options.policy, grace_fraction=self.options.grace_fraction)
+        self.transport: Optional[Transport] = None
+        self._steps = 0
+        self._stage_ranks: list[int] = []
+        self._tp_ranks: list[int] = []
+        self.last_order: list[Task] = []
+        """The tasks of the last step in the order this rank ran them (tests, tracing)."""
+        self.last_peak = 0
+        """Most activations held at once in the last step."""
+
+    # -- lifetime -------------------------------------------------------------------------------------
+
+    def _connect(self) -> Transport:
+        if self.transport is not None:
+            return self.transport
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self._stage_ranks = dist.get_process_group_ranks(pp_group)
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self._tp_ranks = (
+            dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()) if tp_size > 1 else []
+        )
+        rank = dist.get_rank()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        size = len(self._stage_ranks)
+        peers = {self._stage_ranks[(pp_rank - 1) % size], self._stage_ranks[(pp_rank + 1) % size]}
+        if self._tp_ranks:
+            leader = self._tp_ranks[0]
+            peers |= set(self._tp_ranks) if rank == leader else {leader}
+        peers.discard(rank)
+        name = self.options.transport
+        if name == "auto":
+            one_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) >= dist.get_world_size()
+            name = "shm" if one_node else "torch"
+        from lightning_megatron.transport import transport_class
+
+        device = self.device if self.device.type in transport_class(name).devices else torch.device("cpu")
+        kwargs: dict[str, Any] = dict(self.options.transport_options)
+        if self.options.link_delay is not None:
+            kwargs["link_delay"] = self.options.link_delay
+        transport = create_transport(name, device=device, timeout=self.timeout, **kwargs)
+        try:
+            transport.connect(sorted(peers))
+        except BaseException:
+            transport.close()
+            raise
+        self.transport = transport
+        return transport
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        *,
+        forward_step_func: Any,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: Optional[bool] = None,
+        **unused: Any,
+    ) -> list:
+        model = model if isinstance(model, list) else [model]
+        data_iterator = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        if not all(hasattr(it, "seek") for it in data_iterator):
+            raise MegatronConfigError(
+                "schedule='dpp' runs microbatches out of order and needs seekable data iterators "
+                "(lightning_megatron.strategy.step.Microbatches); run it through MegatronAppStrategy."
+            )
+        transport = self._connect()
+        step = _Step(self, transport, model, data_iterator, forward_step_func, num_microbatches, forward_only)
+        step.first_val_step = first_val_step
+        step.collect_non_loss_data = collect_non_loss_data
+        records = step.run()
+        self.last_order, self.last_peak = step.order, step.state.peak
+        self._steps += 1
+        return records
+
+
+class _Step:
+    """One step's bookkeeping (tensors in flight, gradient sync, timing); :meth:`run` is the loop."""
+
+    def __init__(
+        self,
+        session: DppSession,
+        transport: Transport,
+        model: list[torch.nn.Module],
+        data_iterator: list[Any],
+        forward_step_func: Any,
+        num_microbatches: int,
+        forward_only: bool,
+    ) -> None:
+        self.session, self.transport, self.model = session, transport, model
+        self.data_iterator, self.forward_step_func = data_iterator, forward_step_func
+        self.config = get_model_config(model[0])
+        if getattr(self.config, "defer_embedding_wgrad_compute", False):
+            raise MegatronConfigError("schedule='dpp' does not support defer_embedding_wgrad_compute; turn it off.")
+        self.model_type = get_model_type(model[0])
+        self.forward_only = forward_only
+        self.num_microbatches = num_microbatches
+        pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+        self.plan = StagePlan(
+            pipeline,
+            parallel_state.get_pipeline_model_parallel_rank(),
+            len(model),
+            num_microbatches,
+            group=getattr(self.config, "microbatch_group_size_per_vp_stage", None) or pipeline,
+            forward_only=forward_only,
+        )
+        self.state = StageState(self.plan, 0 if forward_only else session.options.extra_activations)
+        self.step = session._steps
+        self.rank = dist.get_rank()
+        tp = session._tp_ranks
+        self.leader = not tp or self.rank == tp[0]
+        self.followers = [r for r in tp if r != self.rank] if self.leader else []
+        self.decisions = 0
+        self.first_val_step: Optional[bool] = None
+        self.collect_non_loss_data = False
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.device = session.device
+        self.stage_device = transport.device
+        self.received: dict[Message, torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self.records: dict[int, Any] = {}
+        self.tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        self.grad_sync = _GradSync(self.config, model, num_microbatches, forward_only)
+        self.order: list[Task] = []
+        self.on_gpu = self.device.type == "cuda"
+        self.in_flight: deque[tuple[Task, Any, Any]] = deque()
+        self.timers = self.config.timers
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def run(self) -> list:
+        self.transport.begin_step(self.step)
+        self.grad_sync.disable()
+        try:
+            while not self.state.finished:
+                task = self._decide()
+                if task is not None:
+                    self._execute(task)
+            self.grad_sync.finish()
+        finally:
+            self.grad_sync.enable()
+        while self.in_flight:
+            self._retire()
+        self.transport.wait_sends(self.step, timeout=self.session.timeout)
+        if not self.forward_only and self.config.finalize_model_grads_func is not None:
+            tokens = self.tokens if self.config.calculate_per_token_loss else None
+            self.config.finalize_model_grads_func(self.model, tokens, force_all_reduce=False)
+        return [self.records[m] for m in sorted(self.records)]
+
+    def _decide(self) -> Optional[Task]:
+        """The next task, after taking whatever has arrived; None after waiting (decide again)."""
+        if not self.leader:
+            task = self._told()
+            self._need_input(task)
+            return task
+        self._drain()
+        decision = self.session.policy.choose(self.state, time.monotonic(), self._idle_at())
+        if decision.task is None:
+            self._wait(decision.wait_until)
+            return None
+        for follower in self.followers:
+            code = torch.tensor([decision.task.phase == BACKWARD, decision.task.chunk, decision.task.microbatch])
+            tag = message_tag(Message(DECISION, 0, self.decisions), self.step)
+            self.transport.isend(follower, tag, code)
+        self.decisions += 1
+        return decision.task
+
+    def _idle_at(self) -> Optional[float]:
+        """GPUs: when the queued tasks will be done, from the learned task times (None: nothing queued)."""
+        if not self.in_flight:
+            return None
+        policy = self.session.policy
+        queued = 0.0
+        for task, _start, end in self.in_flight:
+            if not end.query():
+                queued += (getattr(policy, "forward_s", None) if task.phase == FORWARD else None) or 0.0
+                queued += (getattr(policy, "backward_s", None) if task.phase == BACKWARD else None) or 0.0
+        return time.monotonic() + queued
+
+    def _told(self) -> Task:
+        leader = self.session._tp_ranks[0]
+        tag = message_tag(Message(DECISION, 0, self.decisions), self.step)
+        code = self.transport.recv(leader, tag, timeout=self.session.timeout).tolist()
+        self.decisions += 1
+        return Task(BACKWARD if code[0] else FORWARD, int(code[1]), int(code[2]))
+
+    def _keys(self, messages: Sequence[Message]) -> list[tuple[int, int]]:
+        return [(self.session._stage_ranks[self.plan.source_rank(m)], message_tag(m, self.step)) for m in messages]
+
+    def _drain(self) -> None:
+        awaited = self.state.awaited()
+        if not awaited:
+            return
+        keys = self._keys(awaited)
+        while True:
+            hit = self.transport.poll_any(keys)
+            if hit is None:
+                return
+            index, tensor = hit
+            self._arrived(awaited[index], tensor)
+            del awaited[index], keys[index]
+            if not keys:
+                return
+
+    def _wait(self, until: Optional[float]) -> None:
+        awaited = self.state.awaited()
+        now = time.monotonic()
+        if not awaited:
+            if until is not None:
+                time.sleep(max(until - now, 0.0))
+                return
+            raise RuntimeError(f"dpp on rank {self.rank}: nothing can run and nothing is awaited (a bug).")
+        timeout = self.session.timeout if until is None else max(min(until - now, self.session.timeout), 0.0)
+        try:
+            index, tensor = self.transport.wait_any(self._keys(awaited), timeout=timeout)
+        except TransportTimeout as err:
+            if until is not None and time.monotonic() < now + self.session.timeout:
+                return  # the adaptive policy's grace ran out: decide again
+            names = ", ".join(
+                f"{'activation' if m.kind == ACTIVATION else 'gradient'} of stage {m.stage} microbatch {m.microbatch}"
+                for m in awaited[:4]
+            )
+            raise TransportTimeout(
+                f"dpp on rank {self.rank} (pipeline rank {self.plan.rank}) waited {timeout:.0f} s for any of "
+                f"{len(awaited)} messages ({names}{', ...' if len(awaited) > 4 else ''}) in step {self.step}: "
+                "a peer is stuck or slower than the strategy's `timeout`."
+            ) from err
+        self._arrived(awaited[index], tensor)
+
+    def _need_input(self, task: Task) -> None:
+        message = self.plan.input_of(task)
+        if message is None or message in self.received:
+            return
+        ((peer, tag),) = self._keys([message])
+        self._arrived(message, self.transport.recv(peer, tag, timeout=self.session.timeout))
+
+    def _arrived(self, message: Message, tensor: torch.Tensor) -> None:
+        if tensor.device != self.device:
+            tensor = tensor.to(self.device, non_blocking=True)
+        if message.kind == ACTIVATION and not self.forward_only:
+            tensor.requires_grad_()
+        self.received[message] = tensor
+        self.state.arrive(message)
+        if self.timers is not None:
+            self._p2p_trace("recv", message, tensor, lambda: None)
+
+    # -- running tasks --------------------------------------------------------------------------------
+
+    def _execute(self, task: Task) -> None:
+        start = torch.cuda.Event(enable_timing=True) if self.on_gpu else time.perf_counter()
+        if self.on_gpu:
+            start.record()
+        if task.phase == FORWARD:
+            self._forward(task)
+        else:
+            self._backward(task)
+        self.state.complete(task)
+        self.order.append(task)
+        if self.on_gpu:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.in_flight.append((task, start, end))
+            while len(self.in_flight) > self.session.options.max_ahead:
+                self._retire()
+        else:
+            self.session.policy.observe(task, time.perf_counter() - start)
+
+    def _retire(self) -> None:
+        task, start, end = self.in_flight.popleft()
+        end.synchronize()
+        self.session.policy.observe(task, start.elapsed_time(end) / 1e3)
+
+    def _forward(self, task: Task) -> None:
+        chunk, microbatch = task.chunk, task.microbatch
+        message = self.plan.input_of(task)
+        input_tensor = self.received.pop(message) if message is not None else None
+        self.data_iterator[chunk].seek(microbatch)
+        store: list = []
+        is_last = self.plan.stage(chunk) == self.plan.stages - 1
+        output, num_tokens = forward_step(
+            self.forward_step_func,
+            self.data_iterator[chunk],
+            self.model[chunk],
+            self.num_microbatches,
+            input_tensor,
+            store,
+            self.config,
+            cp_group_size=self.cp_size,
+            collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, microbatch == 0),
+            current_microbatch=microbatch,
+            vp_stage=chunk,
+            is_last_stage=is_last,
+        )
+        self.tokens += num_tokens
+        if store:
+            self.records[microbatch] = store[0]
+        out_message = self.plan.output_of(task)
+        if out_message is not None:
+            self._send(out_message, output)
+            deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+        if not self.forward_only:
+            self.inputs[(chunk, microbatch)] = input_tensor
+            self.outputs[(chunk, microbatch)] = output
+
+    def _backward(self, task: Task) -> None:
+        chunk, microbatch = task.chunk, task.microbatch
+        message = self.plan.input_of(task)
+        output_grad = self.received.pop(message) if message is not None else None
+        if output_grad is not None:
+            output_grad = output_grad.detach()
+        input_tensor = self.inputs.pop((chunk, microbatch))
+        output = self.outputs.pop((chunk, microbatch))
+        input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+        out_message = self.plan.output_of(task)
+        if out_message is not None:
+            self._send(out_message, input_grad)
+        self.grad_sync.backward_done(chunk)
+
+    def _send(self, message: Message, tensor: torch.Tensor) -> None:
+        peer = self.session._stage_ranks[self.plan.destination_rank(message)]
+        payload = tensor.detach()
+        if payload.device.type not in self.transport.devices:
+            payload = payload.to("cpu")
+        tag = message_tag(message, self.step)
+        if self.timers is None:
+            self.transport.isend(peer, tag, payload)
+        else:
+            self._p2p_trace("send", message, payload, lambda: self.transport.isend(peer, tag, payload))
+
+    # -- tracing ------------------------------------------------------------------------------------
+
+    def _p2p_trace(self, direction: str, message: Message, tensor: torch.Tensor, action: Any) -> None:
+        """A span named as megatron-core names it around ``action``, with the message's identity for MegaScan
+        (its ``seq`` is the tag, the same on both ends, so flows pair up whatever the order)."""
+        timers = self.timers
+        name = _P2P_NAMES[(message.kind, direction)]
+        peer_rank = self.plan.destination_rank(message) if direction == "send" else self.plan.source_rank(message)
+        record = {
+            "peer": self.session._stage_ranks[peer_rank],
+            "bytes": tensor.numel() * tensor.element_size(),
+            "seq": message_tag(message, self.step),
+            "direction": "forward" if message.kind == ACTIVATION else "backward",
+            "microbatch": message.microbatch,
+            "stage": message.stage,
+        }
+        timer = timers(name)
+        timer.start()
+        try:
+            action()
+            describe = getattr(timers, "messages", None)
+            if describe is not None:
+                describe(name, [record] if direction == "send" else [], [record] if direction == "recv" else [])
+        finally:
+            timer.stop()
+
+
+class _GradSync:
+    """megatron-core's gradient-sync protocol, per chunk as soon as its backwards are done.
+
+    The step runs inside every chunk's ``no_sync`` (nothing is reduced per microbatch). When chunk ``c``'s last
+    backward is done, and every chunk after it has started, its ``grad_sync_func`` (the DDP's
+    ``start_grad_sync``, set with ``overlap_grad_reduce``) is called outside ``no_sync``, as megatron-core's
+    interleaved schedule does; the order C-1, ..., 0 is the same on every data-parallel rank, whatever order the
+    policy ran the backwards in. Without ``overlap_grad_reduce``, ``finalize_model_grads`` reduces everything.
+    """
+
+    def __init__(self, config: Any, model: list[torch.nn.Module], microbatches: int, forward_only: bool) -> None:
+        funcs = None if forward_only else config.no_sync_func
+        self._no_sync = funcs if isinstance(funcs, list) else [funcs] if funcs is not None else []
+        sync = None if forward_only else config.grad_sync_func
+        self._sync = None if sync is None else sync if isinstance(sync, list) else [sync] * len(model)
+        self._model = model
+        self._left = [microbatches] * len(model)
+        self._next = len(model) - 1
+        self._context: Optional[contextlib.ExitStack] = None
+
+    def disable(self) -> None:
+        if self._context is None:
+            stack = contextlib.ExitStack()
+            for func in self._no_sync:
+                stack.enter_context(func())
+            self._context = stack
+
+    def enable(self) -> None:
+        if self._context is not None:
+            context, self._context = self._context, None
+            context.close()
+
+    def backward_done(self, chunk: int) -> None:
+        self._left[chunk] -= 1
+        self._start(final=False)
+
+    def finish(self) -> None:
+        self.enable()
+        self._start(final=True)
+
+    def _start(self, final: bool) -> None:
+        while self._next >= 0 and (final or self._left[self._next] == 0):
+            chunk, self._next = self._next, self._next - 1
+            if self._sync is not None:
+                self.enable()
+                self._sync[chunk](self._model[chunk].parameters())
+                if not final:
+                    self.disable()

@@ -1,0 +1,126 @@
+"""Functions that run inside forked ranks for ``test_dpp.py``: MegaDPP against megatron-core's schedules."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from cases import fit_gpt
+
+from lightning_megatron import MegatronAppStrategy
+from lightning_megatron.pipeline.dpp.options import parse_options
+from lightning_megatron.pipeline.registry import ScheduleContext
+
+
+def _main_grads(strategy: MegatronAppStrategy) -> dict[str, torch.Tensor]:
+    grads = {}
+    for i, chunk in enumerate(strategy.wrapped_chunks):
+        for name, param in chunk.named_parameters():
+            grads[f"chunk{i}.{name}"] = param.main_grad.detach().clone()
+    return grads
+
+
+class GradRecorder(pl.Callback):
+    """Each step's ``main_grad`` of every parameter, just before the optimizer uses them."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.grads.append(_main_grads(trainer.strategy))
+
+
+def fit_recording(world_size: int, steps: int = 3, callbacks: Optional[list] = None, **strategy: Any) -> dict[str, Any]:
+    """``fit_gpt`` plus every step's gradients and, for dpp, the order of the last step's tasks."""
+    recorder = GradRecorder()
+    order: list = []
+
+    class Order(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            session = trainer.strategy._session
+            order[:] = [str(t) for t in getattr(session, "last_order", [])]
+
+    result = fit_gpt(world_size, steps=steps, callbacks=[recorder, Order(), *(callbacks or [])], **strategy)
+    result["grads"] = recorder.grads
+    result["order"] = list(order)
+    return result
+
+
+class _Experiments(pl.Callback):
+    """At the start of training, run one step's forward and backward under each (policy, delay seed) with a fresh
+    dpp session each, and record its loss and gradients; the reference is the static policy without delays."""
+
+    def __init__(self, runs: list[dict[str, Any]]) -> None:
+        self.runs = runs
+        self.results: list[dict[str, Any]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        strategy = trainer.strategy
+        batch = next(iter(trainer.datamodule.train_dataloader()))
+        batch = strategy.batch_to_device(batch)
+        for run in self.runs:
+            options = parse_options(run)
+            old = strategy._session
+            strategy._session = strategy.schedule.open(ScheduleContext(options, strategy.root_device, 60.0))
+            try:
+                out = strategy.forward_backward(batch)
+                self.results.append(
+                    {
+                        "run": run,
+                        "loss": float(out.loss),
+                        "grads": _main_grads(strategy),
+                        "order": [str(t) for t in strategy._session.last_order],
+                        "peak": strategy._session.last_peak,
+                    }
+                )
+            finally:
+                strategy._session.close()
+                strategy._session = old
+        trainer.should_stop = True
+
+
+def policies_under_delays(world_size: int, runs: list[dict[str, Any]], **strategy: Any) -> list[dict[str, Any]]:
+    experiments = _Experiments(runs)
+    fit_gpt(world_size, steps=1, callbacks=[experiments], schedule="dpp", **strategy)
+    return experiments.results
+
+
+def killed_peer(world_size: int, **strategy: Any) -> Optional[dict[str, Any]]:
+    """Rank 1 dies in the middle of the second step; the others must raise PeerLost naming it."""
+    import torch.distributed as dist
+
+    class Die(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1 and dist.get_rank() == 1:
+                os._exit(3)
+
+    try:
+        fit_gpt(world_size, steps=3, callbacks=[Die()], schedule="dpp", **strategy)
+    except Exception as err:  # noqa: BLE001
+        chain, e = [], err
+        while e is not None:
+            chain.append(f"{type(e).__name__}: {e}")
+            e = e.__cause__ or e.__context__
+        return {"error": " <- ".join(chain)}
+    return {"error": None}
+
+
+def llama_model() -> dict[str, Any]:
+    """A Llama-shaped tiny model (GQA, SwiGLU, RoPE, RMSNorm, no biases): a layout the schedule was not written for."""
+    return dict(
+        num_query_groups=2,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        activation="swiglu",
+        add_bias_linear=False,
+    )
+
+
+def traced(trace_dir: str, **strategy: Any) -> dict[str, Any]:
+    """A dpp fit under MegaScan (every step traced); the order of the last step shows whether it reordered."""
+    from lightning_megatron.scan import MegaScan
+
+    scan = MegaScan(trace_dir, interval=1, window=1, detect=False)
+    return fit_recording(2, steps=3, callbacks=[scan], **strategy)
