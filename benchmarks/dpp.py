@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
 
@@ -68,7 +68,15 @@ def cases(forward_s: float) -> list[dict[str, Any]]:
     return out
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(
+    args: argparse.Namespace,
+    make_cases: Any = None,
+    virtual: Optional[int] = 2,
+    calibrate: bool = True,
+    extra_report: Any = None,
+) -> None:
+    """Build the model once and run every case of ``make_cases(forward_s)`` in alternating rounds (see the module
+    docstring). ``virtual``: virtual stages (None: plain PP2). ``extra_report(rows, timings)``: more JSON fields."""
     import lightning.pytorch as pl
     import torch
 
@@ -76,7 +84,6 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_megatron.data import SyntheticTokenDataModule
     from lightning_megatron.models import GPTModule
     from lightning_megatron.pipeline import get_schedule
-    from lightning_megatron.pipeline.dpp.options import parse_options
     from lightning_megatron.pipeline.registry import ScheduleContext
     from lightning_megatron.scan.inject import SlowdownInjector
 
@@ -103,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
 
             def session(schedule: str, options: dict[str, Any]) -> Any:
                 entry = get_schedule(schedule)
-                parsed = parse_options({"transport": "shm", **options}) if schedule == "dpp" else None
+                parsed = entry.options({"transport": "shm", **options}) if entry.parse_options else None
                 return entry.open(ScheduleContext(parsed, strategy.root_device, 600.0))
 
             def run_case(case: dict[str, Any], steps: int, seed: int = 0) -> list[float]:
@@ -136,13 +143,14 @@ def worker(args: argparse.Namespace) -> None:
                 return times
 
             # Calibrate: the forward and backward time of one chunk-microbatch, learned by the adaptive policy.
-            run_case(dict(schedule="dpp", options={"policy": "adaptive"}, condition="clean"), args.warmup + 2)
+            if calibrate:
+                run_case(dict(schedule="dpp", options={"policy": "adaptive"}, condition="clean"), args.warmup + 2)
             forward_s = torch.tensor(
                 [timings.get("forward_s", 0.0), timings.get("backward_s", 0.0)], device=strategy.root_device
             )
             torch.distributed.all_reduce(forward_s, op=torch.distributed.ReduceOp.MAX)
             timings["forward_s"], timings["backward_s"] = float(forward_s[0]), float(forward_s[1])
-            plan = cases(timings["forward_s"])
+            plan = (make_cases or cases)(timings["forward_s"])
             order = list(range(len(plan)))
             for round_ in range(args.rounds):
                 for i in order if round_ % 2 == 0 else reversed(order):  # alternate, and reverse every round
@@ -167,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
         precision="32-true" if on_cpu else "bf16-mixed",
         strategy=MegatronAppStrategy(
             pipeline_model_parallel_size=2,
-            virtual_pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=virtual,
             micro_batch_size=micro_batch,
             timeout=600,
         ),
@@ -187,7 +195,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(model, data)
     if rank != 0:
         return
-    report(args, bench.plan, results, peaks, timings, losses, shape, micro_batch)
+    report(args, bench.plan, results, peaks, timings, losses, shape, micro_batch, virtual, extra_report)
 
 
 def report(
@@ -199,14 +207,17 @@ def report(
     losses: dict[str, float],
     shape: dict[str, Any],
     micro_batch: int,
+    virtual: Optional[int] = 2,
+    extra_report: Any = None,
 ) -> None:
     rows = []
-    clean_baseline = statistics.median(results["clean/interleaved"])
+    first = plan[0]
+    clean_baseline = statistics.median(results[f"{first['condition']}/{first['name']}"])
     for case in plan:
         key = f"{case['condition']}/{case['name']}"
         median = statistics.median(results[key])
         # Under link delays the baseline is megatron-core's order over the same delayed transport (static).
-        base_key = f"{case['condition']}/interleaved"
+        base_key = f"{case['condition']}/{case.get('baseline', 'interleaved')}"
         if base_key not in results:
             base_key = f"{case['condition']}/static"
         baseline = statistics.median(results[base_key])
@@ -217,9 +228,9 @@ def report(
             "steps_s": [round(t, 5) for t in results[key]],
             "speedup_vs_baseline": round(baseline / median, 4),
             "baseline": base_key.split("/")[1],
-            "speedup_vs_clean_interleaved": round(clean_baseline / median, 4),
+            "speedup_vs_first_case": round(clean_baseline / median, 4),
             "peak_memory_gib": round(peaks.get(key, 0.0), 2),
-            "predicted_step_s": predict(case, timings, args.microbatches),
+            "predicted_step_s": predict(case, timings, args.microbatches) if calibrate_of(case) else None,
             "loss": losses.get(key),
         }
         rows.append(row)
@@ -230,7 +241,7 @@ def report(
             "model": shape,
             "micro_batch_size": micro_batch,
             "microbatches": args.microbatches,
-            "layout": "PP2 x VPP2",
+            "layout": "PP2" if virtual is None else f"PP2 x VPP{virtual}",
             "rounds": args.rounds,
             "steps_per_round": args.steps,
             "warmup_per_round": args.warmup,
@@ -241,6 +252,7 @@ def report(
         },
         "results": rows,
         "same_loss_everywhere": len({r["loss"] for r in rows}) == 1,
+        **(extra_report(rows, timings) if extra_report else {}),
     }
     print(f"{'condition':<12} {'schedule':<12} {'median s':>9} {'vs base':>8} {'predicted':>9} {'peak GiB':>8}")
     for r in rows:
@@ -253,6 +265,11 @@ def report(
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def calibrate_of(case: dict[str, Any]) -> bool:
+    """Whether the simulator models the case (DPP policies and megatron-core's order; not the B/W split)."""
+    return not case.get("options", {}).get("split_weight_grads") and case["schedule"] in ("dpp", "interleaved")
 
 
 def predict(case: dict[str, Any], timings: dict[str, float], microbatches: int, seeds: int = 20) -> Any:

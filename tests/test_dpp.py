@@ -26,6 +26,18 @@ from lightning_megatron.pipeline.dpp.plan import StagePlan
 TRANSPORT = "shm"  # the default on one node; test_dpp_transports covers the others
 
 
+def assert_close(got: dict[str, Any], want: dict[str, Any], tol: float, what: str) -> None:
+    """Losses within ``tol`` relative, every gradient within ``tol`` of the step's largest gradient."""
+    for step, (a, b) in enumerate(zip(got["loss"], want["loss"])):
+        assert abs(a - b) <= tol * abs(b), f"{what}: step {step} loss {a} vs {b}"
+    assert len(got["grads"]) == len(want["grads"])
+    for step, (g, w) in enumerate(zip(got["grads"], want["grads"])):
+        largest = max(float(t.abs().max()) for t in w.values())
+        for name in w:
+            err = float((g[name] - w[name]).abs().max())
+            assert err <= tol * largest, f"{what}: step {step} {name} off by {err:.3g} (largest {largest:.3g})"
+
+
 def assert_identical(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
     assert got["loss"] == want["loss"], f"{what}: losses {got['loss']} != {want['loss']}"
     assert len(got["grads"]) == len(want["grads"])
@@ -257,3 +269,53 @@ def test_megascan_pairs_every_message_whatever_the_order(ranks: Any, tmp_path: P
     assert flows == counts["p2p"] and sends - flows <= min(counts["dropped"], sends // 8), counts
     static = [[str(t) for t in StagePlan(2, rank, 2, 4).order] for rank in range(2)]
     assert any(run["order"] != static[rank] for rank, run in enumerate(runs)), "the trace must be of a reordered run"
+
+
+# -- the weight-gradient split (B/W) ------------------------------------------------------------------------------
+
+ZB_LAYOUTS = {
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "tp2-pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    "tp2-pp2-sp": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True)),
+    "dp2-pp2-overlap": (
+        4,
+        dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, overlap_grad_reduce=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(ZB_LAYOUTS))
+def test_zero_bubble_matches_1f1b(ranks: Any, layout: str) -> None:
+    world, strategy = ZB_LAYOUTS[layout]
+    common = dict(model={"num_layers": 4, **dc.llama_model()} if "sp" in layout else {}, **strategy)
+    want = ranks.run(world, dc.fit_recording, world, schedule="1f1b", **common)
+    got = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", **common)
+    for rank in range(world):
+        assert_close(got[rank], want[rank], 1e-6, f"zb-h1 {layout} rank {rank}")
+
+
+def test_split_weight_grads_with_virtual_stages_and_reordering(ranks: Any) -> None:
+    world, strategy = LAYOUTS["pp2-vpp2"]
+    common = dict(model={"num_layers": 8}, **strategy)
+    want = ranks.run(world, dc.fit_recording, world, schedule="interleaved", **common)
+    for policy in ("static", "adaptive"):
+        options = {"policy": policy, "split_weight_grads": True, "extra_activations": 2}
+        if policy == "adaptive":
+            options["link_delay"] = {"kind": "exponential", "mean_s": 0.002, "seed": 3}
+        got = ranks.run(world, dc.fit_recording, world, schedule="dpp", schedule_options=options, **common)
+        for rank in range(world):
+            assert_close(got[rank], want[rank], 1e-6, f"dpp {policy} + split rank {rank}")
+
+
+def test_megascan_traces_weight_gradients(ranks: Any, tmp_path: Path) -> None:
+    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+
+    ranks.run(2, dc.traced, str(tmp_path / "trace"), schedule="zb-h1", pipeline_model_parallel_size=2)
+    for rank, path in list_rank_files(tmp_path / "trace").items():
+        spans = [e for e in read_rank_file(path) if e.get("cat") == "compute" and e["ph"] == "X"]
+        by_name = {name: [e for e in spans if e["name"] == name] for name in ("forward", "backward", "weight-grad")}
+        # steps 1 and 2 are traced, 4 microbatches each: one forward, B and W per microbatch
+        for name, events in by_name.items():
+            assert sorted((e["args"]["step"], e["args"]["microbatch"]) for e in events) == [
+                (s, m) for s in (1, 2) for m in range(4)
+            ], (rank, name)

@@ -173,7 +173,9 @@ def test_timer_thread_order_completion_and_close() -> None:
     # close() drops what is still waiting (its handles raise) and joins the thread.
     slow = DelayedTransport(_Recorder(), LinkDelay("constant", 10.0))
     slow.connect([1])
+    posted = time.monotonic()
     waiting = slow.isend(1, 0, torch.tensor(0))
+    assert time.monotonic() - posted < 5.0  # isend never waits for a delay (this one is 10 s), however busy the host
     assert isinstance(waiting, DelayedSendHandle) and not waiting.done()
     assert len(_threads()) == 2 and all(th.daemon for th in threading.enumerate() if th.name in _threads())
     start = time.monotonic()
@@ -192,9 +194,13 @@ def test_timer_thread_order_completion_and_close() -> None:
 # -- real ranks ----------------------------------------------------------------------------------------------------
 
 
+DELAY_S = 0.5
+"""Long enough that the checks below keep a wide margin on a loaded 2-core machine."""
+
+
 def _constant_delay() -> dict[str, Any]:
-    """Link 0->1 delayed by 50 ms, 1->0 not; sender and receiver report their times."""
-    t, rank, peer = _opened(LinkDelay("constant", 0.05, links=[(0, 1)]))
+    """Link 0->1 delayed by DELAY_S, 1->0 not; sender and receiver report their times."""
+    t, rank, peer = _opened(LinkDelay("constant", DELAY_S, links=[(0, 1)]))
     out: dict[str, Any] = {}
     try:
         dist.barrier()
@@ -214,12 +220,11 @@ def _constant_delay() -> dict[str, Any]:
             stamp = torch.zeros(1, dtype=torch.float64)
             dist.broadcast(stamp, 0)
             sent_at = float(stamp)
-            time.sleep(max(sent_at + 0.01 - time.monotonic(), 0))
-            out["early_poll_at"] = time.monotonic() - sent_at
+            time.sleep(max(sent_at + 0.05 - time.monotonic(), 0))
             out["early"] = t.poll(peer, 5)
-            time.sleep(max(sent_at + 0.15 - time.monotonic(), 0))
-            out["late"] = t.poll(peer, 5)
-            out["late_poll_at"] = time.monotonic() - sent_at
+            out["early_poll_at"] = time.monotonic() - sent_at
+            out["late"] = t.recv(peer, 5, timeout=5)
+            out["late_at"] = time.monotonic() - sent_at
             handle = t.isend(peer, 6, torch.ones(3))  # 1 -> 0 is not listed: handed over at once
             out["reverse_handle"] = type(handle).__name__
             t.isend(peer, 7, torch.tensor([time.monotonic()], dtype=torch.float64))
@@ -233,13 +238,14 @@ def _constant_delay() -> dict[str, Any]:
 
 def test_constant_delay_reaches_the_receiver_late(ranks: Any) -> None:
     sender, receiver = ranks.run(2, _constant_delay)
-    assert sender["isend_s"] < 0.01, sender  # the sender's host is not held back
+    assert sender["isend_s"] < DELAY_S / 2, sender  # the sender's host is not held back
     assert not sender["done_at_once"] and not sender["sends_done_at_once"] and sender["pending"] == 1, sender
-    assert 0.05 <= sender["wait_sends_s"] < 1.0 and sender["done"], sender
-    assert receiver["early_poll_at"] < 0.045 and receiver["early"] is None, receiver
-    assert torch.equal(receiver["late"], torch.arange(1000)), receiver
+    assert DELAY_S <= sender["wait_sends_s"] < DELAY_S + 2.0 and sender["done"], sender
+    # Polled before the delay was over (unless the host was too busy to poll in time), it was not there yet.
+    assert receiver["early"] is None or receiver["early_poll_at"] >= DELAY_S, receiver
+    assert torch.equal(receiver["late"], torch.arange(1000)) and receiver["late_at"] >= DELAY_S, receiver
     assert receiver["reverse_handle"] != "DelayedSendHandle" and receiver["reverse_drawn"] == [], receiver
-    assert sender["reverse_s"] < 0.045, sender  # not delayed (a delayed one would take 50 ms)
+    assert sender["reverse_s"] < DELAY_S / 2, sender  # not delayed
 
 
 def _jitter_fifo(seed: int, count: int) -> dict[str, Any]:
@@ -247,9 +253,7 @@ def _jitter_fifo(seed: int, count: int) -> dict[str, Any]:
     spec = LinkDelay("exponential", 0.005, seed=seed)
     t, rank, peer = _opened(spec)
     try:
-        start = time.monotonic()
         handles = [t.isend(peer, i % 3, torch.tensor([i, rank])) for i in range(count)]
-        posted_s = time.monotonic() - start
         dues = [h.due for h in handles if isinstance(h, DelayedSendHandle)]
         assert dues == sorted(dues), "due times on one link went backwards"
         for tag in range(3):
@@ -260,7 +264,7 @@ def _jitter_fifo(seed: int, count: int) -> dict[str, Any]:
         drawn = [d for _, _, _, d in t.drawn]
         assert drawn == [delay_for(spec, rank, peer, n) for n in range(count)]
         dist.barrier()
-        return {"drawn": drawn, "posted_s": posted_s}
+        return {"drawn": drawn}
     finally:
         t.close()
         assert _threads() == [], _threads()
@@ -275,7 +279,6 @@ def test_jitter_keeps_fifo_and_is_reproducible(ranks: Any) -> None:
         assert drawn == again[rank]["drawn"], "the same seed drew other delays"
         assert drawn != other[rank]["drawn"], "another seed drew the same delays"
         assert any(b < a for a, b in zip(drawn, drawn[1:])), "no jitter to reorder (FIFO untested)"
-        assert first[rank]["posted_s"] < 0.5, first[rank]  # 150 isends, none waited for its delay
     assert first[0]["drawn"] != first[1]["drawn"]  # the two directions are two links
 
 

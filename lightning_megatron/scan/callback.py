@@ -27,7 +27,7 @@ __all__ = ["MegaScan"]
 
 Granularity = Literal["stage", "layer", "op"]
 
-_COMPUTE = {"forward-compute": "forward", "backward-compute": "backward"}
+_COMPUTE = {"forward-compute": "forward", "backward-compute": "backward", "weight-grad-compute": "weight-grad"}
 
 
 class MegaScan(pl.Callback, StepListener):

@@ -1,14 +1,19 @@
-"""MegaDPP: a dynamic pipeline schedule that runs whichever forward or backward is ready (``schedule="dpp"``).
+"""MegaDPP: a dynamic pipeline schedule that runs whichever forward or backward is ready (``schedule="dpp"``),
+and ``schedule="zb-h1"``: megatron-core's 1F1B order with weight gradients split off and run in the bubbles.
 
 ``plan`` (a rank's tasks and megatron-core's order), ``policy`` (what to run next, the memory rule),
-``schedule`` (the executor over a transport), ``simulate`` (the same policies in a discrete-event model: will
-DPP help my job?), ``options`` (the ``schedule_options`` the strategy takes).
+``schedule`` (the executor over a transport), ``wgrad`` (the B/W split of the linear layers), ``simulate`` and
+``scenario`` (the same policies in a discrete-event model: will DPP help my job?), ``options`` (the
+``schedule_options`` the strategy takes).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
 
+from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline.dpp.options import DppOptions, parse_options
 from lightning_megatron.pipeline.dpp.policy import POLICIES
 from lightning_megatron.pipeline.registry import ScheduleContext, register_schedule
@@ -44,4 +49,24 @@ register_schedule(
     check_layout=_check_layout,
     parse_options=parse_options,
     description="MegaDPP: runs whichever forward/backward is ready, over a tagged transport (policy=...)",
+)
+
+
+def _parse_zero_bubble(raw: Mapping[str, Any]) -> DppOptions:
+    fixed = {"policy", "split_weight_grads", "extra_activations"} & set(raw)
+    if fixed:
+        raise MegatronConfigError(
+            f"schedule='zb-h1' is megatron-core's 1F1B order with split weight gradients; it does not take "
+            f"{sorted(fixed)}. For other orders use schedule='dpp' with schedule_options split_weight_grads=True."
+        )
+    return dataclasses.replace(parse_options(raw), policy="static", split_weight_grads=True)
+
+
+register_schedule(
+    "zb-h1",
+    open_session=_open,
+    virtual_stages=False,
+    check_layout=_check_layout,
+    parse_options=_parse_zero_bubble,
+    description="zero-bubble (ZB-H1 style): 1F1B with weight gradients deferred into the bubbles",
 )

@@ -31,6 +31,10 @@ class DppOptions:
     """``adaptive``: leave megatron-core's order once its next input is this many forward times late."""
     max_ahead: int = 2
     """GPUs: tasks the host may queue ahead of the GPU (a deeper queue makes decisions on stale readiness)."""
+    split_weight_grads: bool = False
+    """Backwards compute input gradients only; weight gradients run later, in what would be waits (zero bubble)."""
+    max_deferred_weight_grads: Optional[int] = None
+    """With ``split_weight_grads``: most microbatches whose weight gradients wait (default: pipeline size − rank)."""
 
 
 def parse_options(raw: Mapping[str, Any]) -> DppOptions:
@@ -49,6 +53,11 @@ def parse_options(raw: Mapping[str, Any]) -> DppOptions:
         raise MegatronConfigError(
             f"schedule_options.extra_activations={options.extra_activations!r}: a whole number >= 0 (each extra "
             "activation costs one microbatch's stage activations in memory)."
+        )
+    limit = options.max_deferred_weight_grads
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise MegatronConfigError(
+            f"schedule_options.max_deferred_weight_grads={limit!r}: a whole number >= 0, or unset for the default."
         )
     if not isinstance(options.max_ahead, int) or options.max_ahead < 1:
         raise MegatronConfigError(f"schedule_options.max_ahead={options.max_ahead!r}: a whole number >= 1.")

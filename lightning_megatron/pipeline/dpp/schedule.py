@@ -17,7 +17,12 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
   (last chunk first) so that every data-parallel rank issues the same collectives in the same order; then
   ``finalize_model_grads`` with the step's token count, as megatron-core's schedules do;
 * GPUs: the host queues at most ``max_ahead`` tasks ahead of its GPU (CUDA events), so a decision is made on
-  fresh readiness, and the events time each task for the adaptive policy.
+  fresh readiness, and the events time each task for the adaptive policy;
+* ``split_weight_grads`` (and the ``"zb-h1"`` schedule): a backward computes only input gradients (B, sent at
+  once) and leaves the weight gradients (W, :mod:`~lightning_megatron.pipeline.dpp.wgrad`) for later: W tasks
+  run, oldest first, whenever the device would otherwise idle waiting for a message (on GPUs: the rank waits
+  and its GPU has drained its queue), or when more than ``max_deferred_weight_grads`` are pending; a chunk's
+  gradient sync starts after its last W.
 
 Waits are bounded by the strategy's timeout (:class:`~lightning_megatron.transport.TransportTimeout` names what
 was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost` naming it.
@@ -56,10 +61,14 @@ from lightning_megatron.pipeline.dpp.plan import (
     message_tag,
 )
 from lightning_megatron.pipeline.dpp.policy import Policy, StageState, make_policy
+from lightning_megatron.pipeline.dpp.wgrad import SplitLinears, WeightGrad, collecting, split_linears
 from lightning_megatron.pipeline.registry import ScheduleContext
 from lightning_megatron.transport import Transport, TransportTimeout, create_transport
 
 __all__ = ["DppSession"]
+
+_GPU_POLL_S = 2e-4
+"""With weight gradients pending and the GPU still busy: how long to wait for an input before looking again."""
 
 _P2P_NAMES = {  # megatron-core's timer names, so MegaScan draws these spans as it draws theirs
     (ACTIVATION, "send"): "forward-send",
@@ -78,6 +87,7 @@ class DppSession:
         self.timeout = float(context.timeout)
         self.policy: Policy = make_policy(self.options.policy, grace_fraction=self.options.grace_fraction)
         self.transport: Optional[Transport] = None
+        self._split: Optional[SplitLinears] = None
         self._steps = 0
         self._stage_ranks: list[int] = []
         self._tp_ranks: list[int] = []
@@ -125,6 +135,9 @@ class DppSession:
         return transport
 
     def close(self) -> None:
+        if self._split is not None:
+            self._split.restore()
+            self._split = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -154,6 +167,8 @@ class DppSession:
                 "(lightning_megatron.strategy.step.Microbatches); run it through MegatronAppStrategy."
             )
         transport = self._connect()
+        if self.options.split_weight_grads and self._split is None:
+            self._split = split_linears(model)
         step = _Step(self, transport, model, data_iterator, forward_step_func, num_microbatches, forward_only)
         step.first_val_step = first_val_step
         step.collect_non_loss_data = collect_non_loss_data
@@ -215,6 +230,11 @@ class _Step:
         self.on_gpu = self.device.type == "cuda"
         self.in_flight: deque[tuple[Task, Any, Any]] = deque()
         self.timers = self.config.timers
+        self.split = session.options.split_weight_grads and not forward_only
+        self.pending_w: deque[tuple[Task, list[WeightGrad]]] = deque()
+        self.last_event: Optional[Any] = None  # GPUs: the end of the last task queued (W included)
+        limit = session.options.max_deferred_weight_grads
+        self.w_limit = self.plan.pipeline - self.plan.rank if limit is None else limit
 
     # -- the loop -------------------------------------------------------------------------------------
 
@@ -226,6 +246,8 @@ class _Step:
                 task = self._decide()
                 if task is not None:
                     self._execute(task)
+            while self.pending_w:
+                self._run_weight_grads()
             self.grad_sync.finish()
         finally:
             self.grad_sync.enable()
@@ -246,7 +268,12 @@ class _Step:
         self._drain()
         decision = self.session.policy.choose(self.state, time.monotonic(), self._idle_at())
         if decision.task is None:
-            self._wait(decision.wait_until)
+            if self.pending_w and not self._gpu_busy():  # the device would idle: fill it with a weight gradient
+                self._run_weight_grads()
+            elif self.pending_w:  # the device still has queued work: the input may yet come in time
+                self._wait(time.monotonic() + _GPU_POLL_S)
+            else:
+                self._wait(decision.wait_until)
             return None
         for follower in self.followers:
             code = torch.tensor([decision.task.phase == BACKWARD, decision.task.chunk, decision.task.microbatch])
@@ -270,7 +297,16 @@ class _Step:
     def _told(self) -> Task:
         leader = self.session._tp_ranks[0]
         tag = message_tag(Message(DECISION, 0, self.decisions), self.step)
-        code = self.transport.recv(leader, tag, timeout=self.session.timeout).tolist()
+        code = None
+        while self.pending_w and code is None:  # while the leader has not decided, fill with weight gradients
+            code = self.transport.poll(leader, tag)
+            if code is None and not self._gpu_busy():
+                self._run_weight_grads()
+            elif code is None:
+                time.sleep(_GPU_POLL_S)
+        if code is None:
+            code = self.transport.recv(leader, tag, timeout=self.session.timeout)
+        code = code.tolist()
         self.decisions += 1
         return Task(BACKWARD if code[0] else FORWARD, int(code[1]), int(code[2]))
 
@@ -350,6 +386,7 @@ class _Step:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.in_flight.append((task, start, end))
+            self.last_event = end
             while len(self.in_flight) > self.session.options.max_ahead:
                 self._retire()
         else:
@@ -401,11 +438,45 @@ class _Step:
             output_grad = output_grad.detach()
         input_tensor = self.inputs.pop((chunk, microbatch))
         output = self.outputs.pop((chunk, microbatch))
-        input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+        if not self.split:
+            input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+        else:
+            with collecting([]) as stash:
+                input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+            self.pending_w.append((task, stash))
         out_message = self.plan.output_of(task)
         if out_message is not None:
             self._send(out_message, input_grad)
-        self.grad_sync.backward_done(chunk)
+        if not self.split:
+            self.grad_sync.backward_done(chunk)
+        while len(self.pending_w) > self.w_limit:
+            self._run_weight_grads()
+
+    def _run_weight_grads(self) -> None:
+        """W: the oldest deferred weight gradients (a chunk's in microbatch order, as megatron-core adds them)."""
+        task, stash = self.pending_w.popleft()
+        timer = self.timers("weight-grad-compute") if self.timers is not None else None
+        if timer is not None:
+            timer.start()
+            for listener in getattr(self.timers, "listeners", ()):
+                listener.microbatch("weight-grad", task.chunk, task.microbatch)
+        try:
+            for weight_grad in stash:
+                weight_grad.run()
+        finally:
+            if timer is not None:
+                timer.stop()
+        if self.on_gpu:
+            self.last_event = torch.cuda.Event()
+            self.last_event.record()
+        self.grad_sync.backward_done(task.chunk)
+
+    def _gpu_busy(self) -> bool:
+        """Whether the GPU still has queued work (a wait on the host is then no bubble on the device yet)."""
+        if not self.on_gpu:
+            return False
+        last = self.last_event if self.last_event is not None else (self.in_flight[-1][2] if self.in_flight else None)
+        return last is not None and not last.query()
 
     def _send(self, message: Message, tensor: torch.Tensor) -> None:
         peer = self.session._stage_ranks[self.plan.destination_rank(message)]

@@ -1,0 +1,96 @@
+"""The weight-gradient split (``"zb-h1"``) vs megatron-core's 1F1B and interleaved schedules: step time, memory.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --microbatches 8 --out benchmarks/results/zb_m8.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --vpp 2 --microbatches 8 --out ...vpp2.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --cpu-dry-run --out /tmp/zb.json   # plumbing
+
+The machinery is ``benchmarks/dpp.py``'s (one model, every case alternated in rounds within one launch, median
+step time of ``strategy.forward_backward``, peak GPU memory, the loss of each case on the same batch). Cases:
+
+* PP2: ``1f1b`` (megatron-core, NCCL; the baseline), ``zb-h1`` (1F1B's order with B and W split, W run in what
+  would be waits, at most ``pipeline − rank`` microbatches of W pending), and ``zb-h1`` with no W deferred (W
+  right after its B: the split's own cost, without the reordering);
+* ``--vpp 2`` (PP2 × VPP2): ``interleaved`` (the baseline) and ``dpp`` static with ``split_weight_grads``.
+
+Theory beside each (Qi et al., zero bubble): with forward F, input-gradient B and weight-gradient W per stage
+and microbatch, 1F1B's step is (M + P − 1)(F + B + W) and ZB-H1's M(F + B + W) + (P − 1)(F + B − W); with
+B ≈ W ≈ F (a backward is about two forwards) the bubble shrinks to a third and the bound is
+3(M + P − 1) / (3M + P − 1): 1.154× at M = 4, 1.08× at 8, 1.04× at 16 for P = 2.
+
+MegaFBD's rank split (forward and backward on different GPUs) is not built yet; see the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from dpp import worker  # noqa: E402  (benchmarks/ is the script's directory)
+
+
+def zb_cases(forward_s: float) -> list[dict[str, Any]]:
+    return [
+        dict(name="1f1b", condition="clean", schedule="1f1b", options={}, baseline="1f1b"),
+        dict(name="zb-h1", condition="clean", schedule="zb-h1", options={}, baseline="1f1b"),
+        dict(
+            name="zb-h1-no-defer",
+            condition="clean",
+            schedule="zb-h1",
+            options={"max_deferred_weight_grads": 0},
+            baseline="1f1b",
+        ),
+    ]
+
+
+def vpp_cases(forward_s: float) -> list[dict[str, Any]]:
+    split = {"policy": "static", "split_weight_grads": True}
+    return [
+        dict(name="interleaved", condition="clean", schedule="interleaved", options={}, baseline="interleaved"),
+        dict(name="static+split", condition="clean", schedule="dpp", options=split, baseline="interleaved"),
+    ]
+
+
+def theory(microbatches: int, virtual: Any):  # noqa: ANN201
+    def extra(rows: list[dict[str, Any]], timings: dict[str, float]) -> dict[str, Any]:
+        stages = 2
+        return {
+            "theory": {
+                "bubble_fraction_1f1b": round((stages - 1) / (microbatches + stages - 1), 4),
+                "zb_h1_over_1f1b_bound": round((microbatches + stages - 1) / microbatches, 4)
+                if virtual is None
+                else None,
+                "model": "1F1B (M+P-1)(F+B+W); ZB-H1 M(F+B+W) + (P-1)max(0, F+B-2W); B = W = F",
+            }
+        }
+
+    return extra
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--vpp", type=int, default=None, help="virtual stages (interleaved vs dpp + split)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--cpu-dry-run", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error("run under torchrun --standalone --nproc-per-node 2 (see the module docstring)")
+    make = vpp_cases if args.vpp else zb_cases
+    worker(
+        args,
+        make_cases=make,
+        virtual=args.vpp,
+        calibrate=False,
+        extra_report=theory(args.microbatches, args.vpp),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The weight-gradient split (B/W) for megatron-core's tensor-parallel linear layers.
+
+Zero-bubble schedules split a backward into B, the input gradient (on the pipeline's critical path: the previous
+stage waits for it), and W, the weight gradient (needed only by the optimizer), and run W in the bubbles.
+megatron-core 0.16.1 cannot: its ``LinearWithGradAccumulationAndAsyncCommunication`` always computes the weight
+gradient inside the backward (the ``delay_wgrad_compute`` path needs Transformer Engine and MoE overlap).
+
+:func:`split_linears` gives every ``ColumnParallelLinear`` and ``RowParallelLinear`` of the model chunks (the
+output layer included) an autograd function of ours, per instance and undone by :meth:`SplitLinears.restore`:
+
+* its forward is megatron-core's (the sequence-parallel all-gather, the matmul, the bias);
+* its backward computes the input gradient with megatron-core's tensor-parallel all-reduce or reduce-scatter and
+  the bias gradient, and, while :func:`collecting` a list, appends a :class:`WeightGrad` (the layer's input and
+  output gradient) to it instead of computing the weight gradient; outside :func:`collecting` it computes the
+  weight gradient at once, as megatron-core does;
+* :meth:`WeightGrad.run` later computes the same GEMM megatron-core would have (``grad_output.t() @ input`` on the
+  2-D views) and adds it to the weight's ``main_grad`` exactly as megatron-core's DDP hook adds ``param.grad``.
+  In fp32 the result equals the unsplit backward's when each layer's W runs in microbatch order.
+
+megatron-core's DDP hook on the weight still runs at B time (autograd calls a parameter's accumulate-grad hooks
+even without a gradient), and with ``overlap_grad_reduce`` it insists on a gradient: B hands it an uninitialised
+placeholder marked ``grad_added_to_main_grad`` (the flag megatron-core's fused-accumulation path sets), so the hook
+adds nothing and drops it. The schedule runs every backward inside ``no_sync`` and starts a chunk's reduction
+itself (``start_grad_sync``) after the chunk's last W, so nothing is reduced before every W has been added.
+
+With sequence parallelism B all-gathers the layer input for W (W then needs no collective, so tensor-parallel
+ranks may run their W tasks at different moments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+__all__ = ["SplitLinears", "WeightGrad", "collecting", "split_linears"]
+
+_STASH: Optional[list[WeightGrad]] = None  # where backwards put their weight gradients (None: compute them)
+# A module global, not thread-local: autograd runs CUDA backwards on its own device threads.
+
+
+@dataclass
+class WeightGrad:
+    """One linear layer's weight gradient of one microbatch, not computed yet."""
+
+    weight: torch.nn.Parameter
+    grad_output: torch.Tensor
+    total_input: torch.Tensor
+
+    def run(self) -> None:
+        with torch.no_grad():  # outside autograd's backward now: build no graph
+            grad_output, total_input = prepare_input_tensors_for_wgrad_compute(self.grad_output, self.total_input)
+            grad_weight = grad_output.t().matmul(total_input)
+            _accumulate(self.weight, grad_weight)
+        self.grad_output = self.total_input = None  # type: ignore[assignment]  # free them now
+
+
+def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
+    if hasattr(weight, "main_grad"):  # megatron-core DDP: what its backward hook does with param.grad
+        weight.main_grad.add_(grad_weight)
+    elif weight.grad is None:
+        weight.grad = grad_weight
+    else:
+        weight.grad += grad_weight
+
+
+@contextlib.contextmanager
+def collecting(stash: list[WeightGrad]) -> Iterator[list[WeightGrad]]:
+    """Backwards run inside defer their weight gradients into ``stash`` (in the order the layers ran)."""
+    global _STASH
+    previous, _STASH = _STASH, stash
+    try:
+        yield stash
+    finally:
+        _STASH = previous
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
+        total_input = _gather(input, tp_group) if sequence_parallel else input
+        output = torch.matmul(total_input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        input, weight = ctx.saved_tensors
+        tp_group = ctx.tp_group
+        total_input = _gather(input, tp_group) if ctx.sequence_parallel else input
+        grad_input = grad_output.matmul(weight)
+        if ctx.sequence_parallel:
+            sub_grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+            dist.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group)
+            grad_input = sub_grad_input
+        elif ctx.allreduce_dgrad:
+            dist.all_reduce(grad_input, group=tp_group)
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        deferred = WeightGrad(weight, grad_output.detach(), total_input.detach())
+        if _STASH is None:
+            deferred.run()
+        else:
+            _STASH.append(deferred)
+        placeholder = None
+        if hasattr(weight, "main_grad"):  # for megatron-core DDP's hook (see the module docstring)
+            placeholder = torch.empty_like(weight)
+            weight.grad_added_to_main_grad = True
+        return grad_input, placeholder, grad_bias, None, None, None
+
+
+def _gather(input: torch.Tensor, group: Any) -> torch.Tensor:
+    shape = list(input.shape)
+    shape[0] *= dist.get_world_size(group)
+    out = torch.empty(shape, dtype=input.dtype, device=input.device)
+    dist.all_gather_into_tensor(out, input.contiguous(), group=group)
+    return out
+
+
+def _split_forward_impl(
+    self: torch.nn.Module,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    gradient_accumulation_fusion: bool = False,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    grad_output_buffer: Any = None,
+    wgrad_deferral_limit: Any = None,
+    tp_group: Any = None,
+) -> torch.Tensor:
+    """Stands in for the layer's ``_forward_impl`` (megatron-core calls it with these keywords)."""
+    if not weight.requires_grad or grad_output_buffer is not None:
+        return type(self)._forward_impl(
+            self,
+            input,
+            weight,
+            bias=bias,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel,
+            grad_output_buffer=grad_output_buffer,
+            wgrad_deferral_limit=wgrad_deferral_limit,
+            tp_group=tp_group,
+        )
+    return _SplitLinear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group)
+
+
+class SplitLinears:
+    """The layers :func:`split_linears` changed; :meth:`restore` gives them megatron-core's backward back."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+
+    def restore(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("_forward_impl", None)
+        self.modules = []
+
+
+def split_linears(chunks: Sequence[torch.nn.Module]) -> SplitLinears:
+    """Give every tensor-parallel linear layer of ``chunks`` (DDP-wrapped or not) the B/W-split backward."""
+    modules = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and "_forward_impl" not in module.__dict__:
+                if getattr(module.config, "gradient_accumulation_fusion", False):
+                    continue  # apex's fused wgrad GEMM: keep megatron-core's path (not available without apex)
+                module._forward_impl = types.MethodType(_split_forward_impl, module)
+                modules.append(module)
+    return SplitLinears(modules)
