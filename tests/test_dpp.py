@@ -145,20 +145,26 @@ def test_dp2_distributed_optimizer_matches_1f1b(ranks: Any) -> None:
             assert abs(a - b) <= 1e-6 * abs(b), f"rank {rank} step {step}: dpp {a} vs 1f1b {b}"
 
 
-def test_resume_from_checkpoint(ranks: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "schedule, options, virtual",
+    [("dpp", {"policy": "adaptive", "extra_activations": 1, "transport": TRANSPORT}, 2), ("zb-h1", {}, None)],
+    ids=["dpp", "zb-h1"],
+)
+def test_resume_from_checkpoint(
+    ranks: Any, tmp_path: Path, schedule: str, options: dict[str, Any], virtual: Any
+) -> None:
     from test_checkpoint import SAVE_EVERY, assert_continues, fit
 
     strategy = dict(
         pipeline_model_parallel_size=2,
-        virtual_pipeline_model_parallel_size=2,
-        schedule="dpp",
-        schedule_options={"policy": "adaptive", "extra_activations": 1, "transport": TRANSPORT},
+        virtual_pipeline_model_parallel_size=virtual,
+        schedule=schedule,
+        schedule_options=options,
     )
     full = ranks.run(2, fit, 2, tmp_path, **strategy)[0]
-    resumed = ranks.run(
-        2, fit, 2, tmp_path / "resumed", resume=str(tmp_path / f"epoch=0-step={SAVE_EVERY}.ckpt"), **strategy
-    )
-    assert_continues(resumed[0], full, "dpp resumed at step 3")
+    checkpoint = str(tmp_path / f"epoch=0-step={SAVE_EVERY}.ckpt")
+    resumed = ranks.run(2, fit, 2, tmp_path / "resumed", resume=checkpoint, **strategy)
+    assert_continues(resumed[0], full, f"{schedule} resumed at step 3")
 
 
 @pytest.mark.parametrize("transport", ["torch", "tcp"])
@@ -204,6 +210,8 @@ def test_killed_peer_raises_peer_lost(tmp_path: Path) -> None:
         (dict(schedule_options={"transport": "carrier-pigeon"}), ["transport='carrier-pigeon'", "shm"]),
         (dict(pipeline_model_parallel_size=1), ["pipeline_model_parallel_size >= 2"]),
         (dict(schedule="interleaved", schedule_options={"policy": "static"}), ["takes no schedule_options"]),
+        (dict(schedule="zb-h1", schedule_options={"policy": "adaptive"}), ["zb-h1", "split_weight_grads=True"]),
+        (dict(schedule_options={"max_deferred_weight_grads": -2}), ["max_deferred_weight_grads=-2"]),
     ],
 )
 def test_bad_settings_fail_when_the_strategy_is_built(kwargs: dict[str, Any], words: list[str]) -> None:
