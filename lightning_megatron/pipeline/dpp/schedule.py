@@ -219,7 +219,6 @@ class _Step:
         self.collect_non_loss_data = False
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.device = session.device
-        self.stage_device = transport.device
         self.received: dict[Message, torch.Tensor] = {}
         self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
         self.outputs: dict[tuple[int, int], Any] = {}
