@@ -188,7 +188,8 @@ def worker(
         num_sanity_val_steps=0,
         callbacks=[bench],
     )
-    model = GPTModule(**shape, activation="gelu_tanh", split_invariant_init=False)
+    layer_spec = getattr(args, "layer_spec", None) or "local"
+    model = GPTModule(**shape, activation="gelu_tanh", split_invariant_init=False, layer_spec=layer_spec)
     data = SyntheticTokenDataModule(
         vocab_size=shape["vocab_size"], seq_length=shape["seq_length"], global_batch_size=gbs, num_train_samples=gbs * 4
     )
@@ -239,6 +240,7 @@ def report(
         "provenance": provenance(),
         "settings": {
             "model": shape,
+            "layer_spec": getattr(args, "layer_spec", None) or "local",
             "micro_batch_size": micro_batch,
             "microbatches": args.microbatches,
             "layout": "PP2" if virtual is None else f"PP2 x VPP{virtual}",

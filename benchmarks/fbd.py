@@ -8,8 +8,8 @@ The machinery is ``benchmarks/dpp.py``'s (one model, every case alternated in ro
 step time of ``strategy.forward_backward``, peak GPU memory, the loss of each case on the same batch). Cases:
 
 * PP2: ``1f1b`` (megatron-core, NCCL; the baseline), ``zb-h1`` (1F1B's order with B and W split, W run in what
-  would be waits, at most ``pipeline − rank`` microbatches of W pending), and ``zb-h1`` with no W deferred (W
-  right after its B: the split's own cost, without the reordering);
+  would be waits, at most ``pipeline − rank`` microbatches of W pending), ``zb-h1`` with at most one pending (less
+  memory), and ``zb-h1`` with no W deferred (W right after its B: the split's own cost, without the reordering);
 * ``--vpp 2`` (PP2 × VPP2): ``interleaved`` (the baseline) and ``dpp`` static with ``split_weight_grads``.
 
 Theory beside each (Qi et al., zero bubble): with forward F, input-gradient B and weight-gradient W per stage
@@ -17,7 +17,10 @@ and microbatch, 1F1B's step is (M + P − 1)(F + B + W) and ZB-H1's M(F + B + W)
 B ≈ W ≈ F (a backward is about two forwards) the bubble shrinks to a third and the bound is
 3(M + P − 1) / (3M + P − 1): 1.154× at M = 4, 1.08× at 8, 1.04× at 16 for P = 2.
 
-MegaFBD's rank split (forward and backward on different GPUs) is not built yet; see the README.
+``--split``: MegaFBD's rank split instead (forward replica and backward replica on the two GPUs, both modes, vs
+data-parallel training, with the performance model's prediction beside each measurement; ``fbd_split.py``)::
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --split --microbatches 8 --out ...split.json
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ def zb_cases(forward_s: float) -> list[dict[str, Any]]:
     return [
         dict(name="1f1b", condition="clean", schedule="1f1b", options={}, baseline="1f1b"),
         dict(name="zb-h1", condition="clean", schedule="zb-h1", options={}, baseline="1f1b"),
+        dict(
+            name="zb-h1-defer1",
+            condition="clean",
+            schedule="zb-h1",
+            options={"max_deferred_weight_grads": 1},
+            baseline="1f1b",
+        ),
         dict(
             name="zb-h1-no-defer",
             condition="clean",
@@ -77,10 +87,20 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--cpu-dry-run", action="store_true")
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--split", action="store_true", help="the rank split (fbd) vs data parallel")
+    parser.add_argument(
+        "--layer-spec", default=None, help="the layer implementation (models.specs; default: local, sdpa with --split)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("run under torchrun --standalone --nproc-per-node 2 (see the module docstring)")
+    if args.split:
+        from fbd_split import split_worker
+
+        args.layer_spec = args.layer_spec or "sdpa"
+        split_worker(args)
+        return 0
     make = vpp_cases if args.vpp else zb_cases
     worker(
         args,

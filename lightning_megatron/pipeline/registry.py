@@ -16,7 +16,8 @@ A schedule with state that outlives a step (a transport, its threads) registers 
 instead of a plain callable: the strategy calls it once per fit (first step) with the parsed
 ``schedule_options`` and closes the session at teardown. ``parse_options`` turns the strategy's
 ``schedule_options`` dict into the schedule's typed settings when the strategy is *constructed*, so
-a typo fails before any process starts.
+a typo fails before any process starts. ``data_shard`` tells the strategy's sampler which shard a data-parallel
+replica reads, for schedules whose replicas do different work (MegaFBD).
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ class Schedule:
     parse_options: Optional[Callable[[Mapping[str, Any]], Any]] = None
     check_layout: Optional[Callable[[int, Optional[int]], Optional[str]]] = None
     """``(pipeline_size, virtual_size) -> None`` if the schedule runs that layout, else the reason it does not."""
+    data_shard: Optional[Callable[[Any, int, int], tuple[int, int]]] = None
+    """``(options, data_parallel_rank, data_parallel_size) -> (sampler rank, sampler replicas)``, for schedules
+    in which not every data-parallel replica reads its own data (MegaFBD's forward replicas); default: the
+    data-parallel rank and size."""
 
     def options(self, raw: Optional[Mapping[str, Any]]) -> Any:
         """The schedule's typed settings from the strategy's ``schedule_options`` (a clear error if wrong)."""
@@ -108,6 +113,10 @@ class Schedule:
             return self.open_session(context)
         assert self.forward_backward is not None
         return _Stateless(self.forward_backward)
+
+    def data_parallel_shard(self, options: Any, rank: int, size: int) -> tuple[int, int]:
+        """Which shard of the data this data-parallel replica reads: ``(sampler rank, sampler replicas)``."""
+        return (rank, size) if self.data_shard is None else self.data_shard(options, rank, size)
 
     def validate(self, *, pipeline: int, virtual: Optional[int]) -> None:
         if self.check_layout is not None:
@@ -157,6 +166,7 @@ def register_schedule(
     open_session: Optional[Callable[[ScheduleContext], ScheduleSession]] = None,
     parse_options: Optional[Callable[[Mapping[str, Any]], Any]] = None,
     check_layout: Optional[Callable[[int, Optional[int]], Optional[str]]] = None,
+    data_shard: Optional[Callable[[Any, int, int], tuple[int, int]]] = None,
     override: bool = False,
 ) -> Schedule:
     """Add a schedule under ``name``; the strategy's ``schedule=`` argument selects it.
@@ -178,6 +188,7 @@ def register_schedule(
         open_session,
         parse_options,
         check_layout,
+        data_shard,
     )
     _REGISTRY[name] = entry
     return entry

@@ -27,7 +27,12 @@ __all__ = ["MegaScan"]
 
 Granularity = Literal["stage", "layer", "op"]
 
-_COMPUTE = {"forward-compute": "forward", "backward-compute": "backward", "weight-grad-compute": "weight-grad"}
+_COMPUTE = {
+    "forward-compute": "forward",
+    "backward-compute": "backward",
+    "weight-grad-compute": "weight-grad",
+    "recompute-compute": "recompute",  # MegaFBD's backward replicas: the forward they redo before a backward
+}
 
 
 class MegaScan(pl.Callback, StepListener):
@@ -248,6 +253,8 @@ class MegaScan(pl.Callback, StepListener):
 
     def microbatch(self, phase: str, chunk: int, microbatch: int) -> None:
         stack = self._open.get(f"{phase}-compute")
+        if not stack and phase == "forward":
+            stack = self._open.get("recompute-compute")
         if stack:
             stack[-1].args.update(microbatch=microbatch, chunk=chunk)
         if self._layers is not None:

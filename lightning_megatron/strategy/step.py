@@ -65,6 +65,11 @@ class Microbatches:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def items(self) -> Sequence[Any]:
+        """The step's microbatches, in order (a schedule that ships them to other ranks reads them here)."""
+        return self._items
+
     def seek(self, index: int) -> None:
         """The next ``next()`` returns microbatch ``index``."""
         if not 0 <= index < len(self._items):

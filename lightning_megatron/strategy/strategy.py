@@ -222,8 +222,12 @@ class MegatronAppStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Model-parallel peers must see the same samples: sample by data-parallel rank only.
-        return {"num_replicas": self.parallel.data_parallel_size, "rank": self.parallel.data_parallel_rank}
+        # Model-parallel peers must see the same samples: sample by data-parallel rank only (or as the
+        # schedule says: MegaFBD's forward replicas read no data of their own).
+        rank, replicas = self.schedule.data_parallel_shard(
+            self.schedule_options, self.parallel.data_parallel_rank, self.parallel.data_parallel_size
+        )
+        return {"num_replicas": replicas, "rank": rank}
 
     @property
     def parallel(self) -> ParallelContext:

@@ -144,8 +144,12 @@ class _Channel:
         while not work.is_completed():
             time.sleep(delay)
             delay = min(delay * 2, 5e-4)
-        if work.exception() is not None:  # pragma: no cover  (NCCL reports errors through its watchdog)
-            raise RuntimeError(str(work.exception()))
+        try:
+            failure = work.exception()
+        except TypeError:  # torch 2.11's NCCL work cannot hand its exception_ptr to Python (pybind raises)
+            failure = None  # NCCL reports errors through its watchdog anyway
+        if failure is not None:  # pragma: no cover
+            raise RuntimeError(str(failure))
 
     # -- receiving ------------------------------------------------------------------------------------------
 

@@ -6,11 +6,12 @@ Parsed when the strategy is built, so a typo or a bad value fails at once, namin
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline.dpp.policy import POLICIES
+from lightning_megatron.pipeline.transports import check_keys, check_transport_settings
 
 __all__ = ["DppOptions", "parse_options"]
 
@@ -38,12 +39,7 @@ class DppOptions:
 
 
 def parse_options(raw: Mapping[str, Any]) -> DppOptions:
-    known = {f.name for f in fields(DppOptions)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise MegatronConfigError(
-            f"schedule_options for schedule='dpp' has unknown keys {unknown}; the keys are {sorted(known)}."
-        )
+    check_keys("dpp", raw, DppOptions)
     options = DppOptions(**raw)
     if options.policy not in POLICIES:
         raise MegatronConfigError(
@@ -65,13 +61,5 @@ def parse_options(raw: Mapping[str, Any]) -> DppOptions:
         raise MegatronConfigError(
             f"schedule_options.grace_fraction={options.grace_fraction!r}: a number >= 0 (0 reorders at once)."
         )
-    from lightning_megatron.transport import available_transports
-
-    if options.transport != "auto" and options.transport not in available_transports():
-        raise MegatronConfigError(
-            f"schedule_options.transport={options.transport!r}: choose 'auto' or one of "
-            f"{', '.join(available_transports())}."
-        )
-    if not isinstance(options.transport_options, Mapping):
-        raise MegatronConfigError("schedule_options.transport_options must be a mapping of transport arguments.")
+    check_transport_settings(options.transport, options.transport_options)
     return options

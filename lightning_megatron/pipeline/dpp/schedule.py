@@ -30,8 +30,6 @@ was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost`
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -62,8 +60,10 @@ from lightning_megatron.pipeline.dpp.plan import (
 )
 from lightning_megatron.pipeline.dpp.policy import Policy, StageState, make_policy
 from lightning_megatron.pipeline.dpp.wgrad import SplitLinears, WeightGrad, collecting, split_linears
+from lightning_megatron.pipeline.gradsync import GradSync
 from lightning_megatron.pipeline.registry import ScheduleContext
-from lightning_megatron.transport import Transport, TransportTimeout, create_transport
+from lightning_megatron.pipeline.transports import open_transport
+from lightning_megatron.transport import Transport, TransportTimeout
 
 __all__ = ["DppSession"]
 
@@ -115,22 +115,10 @@ class DppSession:
             leader = self._tp_ranks[0]
             peers |= set(self._tp_ranks) if rank == leader else {leader}
         peers.discard(rank)
-        name = self.options.transport
-        if name == "auto":
-            one_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) >= dist.get_world_size()
-            name = "shm" if one_node else "torch"
-        from lightning_megatron.transport import transport_class
-
-        device = self.device if self.device.type in transport_class(name).devices else torch.device("cpu")
         kwargs: dict[str, Any] = dict(self.options.transport_options)
         if self.options.link_delay is not None:
             kwargs["link_delay"] = self.options.link_delay
-        transport = create_transport(name, device=device, timeout=self.timeout, **kwargs)
-        try:
-            transport.connect(sorted(peers))
-        except BaseException:
-            transport.close()
-            raise
+        transport = open_transport(self.options.transport, kwargs, self.device, self.timeout, peers)
         self.transport = transport
         return transport
 
@@ -224,7 +212,7 @@ class _Step:
         self.outputs: dict[tuple[int, int], Any] = {}
         self.records: dict[int, Any] = {}
         self.tokens = torch.zeros([], dtype=torch.int, device=self.device)
-        self.grad_sync = _GradSync(self.config, model, num_microbatches, forward_only)
+        self.grad_sync = GradSync(self.config, model, num_microbatches, forward_only)
         self.order: list[Task] = []
         self.on_gpu = self.device.type == "cuda"
         self.in_flight: deque[tuple[Task, Any, Any]] = deque()
@@ -513,53 +501,3 @@ class _Step:
                 describe(name, [record] if direction == "send" else [], [record] if direction == "recv" else [])
         finally:
             timer.stop()
-
-
-class _GradSync:
-    """megatron-core's gradient-sync protocol, per chunk as soon as its backwards are done.
-
-    The step runs inside every chunk's ``no_sync`` (nothing is reduced per microbatch). When chunk ``c``'s last
-    backward is done, and every chunk after it has started, its ``grad_sync_func`` (the DDP's
-    ``start_grad_sync``, set with ``overlap_grad_reduce``) is called outside ``no_sync``, as megatron-core's
-    interleaved schedule does; the order C-1, ..., 0 is the same on every data-parallel rank, whatever order the
-    policy ran the backwards in. Without ``overlap_grad_reduce``, ``finalize_model_grads`` reduces everything.
-    """
-
-    def __init__(self, config: Any, model: list[torch.nn.Module], microbatches: int, forward_only: bool) -> None:
-        funcs = None if forward_only else config.no_sync_func
-        self._no_sync = funcs if isinstance(funcs, list) else [funcs] if funcs is not None else []
-        sync = None if forward_only else config.grad_sync_func
-        self._sync = None if sync is None else sync if isinstance(sync, list) else [sync] * len(model)
-        self._model = model
-        self._left = [microbatches] * len(model)
-        self._next = len(model) - 1
-        self._context: Optional[contextlib.ExitStack] = None
-
-    def disable(self) -> None:
-        if self._context is None:
-            stack = contextlib.ExitStack()
-            for func in self._no_sync:
-                stack.enter_context(func())
-            self._context = stack
-
-    def enable(self) -> None:
-        if self._context is not None:
-            context, self._context = self._context, None
-            context.close()
-
-    def backward_done(self, chunk: int) -> None:
-        self._left[chunk] -= 1
-        self._start(final=False)
-
-    def finish(self) -> None:
-        self.enable()
-        self._start(final=True)
-
-    def _start(self, final: bool) -> None:
-        while self._next >= 0 and (final or self._left[self._next] == 0):
-            chunk, self._next = self._next, self._next - 1
-            if self._sync is not None:
-                self.enable()
-                self._sync[chunk](self._model[chunk].parameters())
-                if not final:
-                    self.disable()

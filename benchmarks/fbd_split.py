@@ -1,0 +1,181 @@
+"""MegaFBD's rank split on 2 GPUs: forward on one, backward on the other, vs data-parallel training on both.
+
+Run through ``benchmarks/fbd.py --split`` (torchrun, 2 processes). One model, PP1, data-parallel size 2; cases
+alternated in rounds within one launch (median step time of ``strategy.forward_backward``):
+
+* ``dp2`` — megatron-core's schedule, both GPUs train (2 × M microbatches per step; the baseline);
+* ``fbd-recompute`` — GPU 1 runs forwards only, GPU 0 recomputes and runs the backwards (M per step). At PP1 the
+  forward replica's work feeds nobody (the backward's recompute starts from the tokens), so this is the mode's
+  floor: the backward GPU alone does F + B per microbatch;
+* ``fbd-ship`` — GPU 1 runs each forward with autograd and ships the saved activations; GPU 0 replays the
+  graph without its GEMMs and runs the backward.
+
+For each rank-split case: throughput relative to ``dp2`` (samples per second), and the session's performance
+model (measured parts of the second and third steps, composed) against the measured median: the check is |error| ≤ 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from dpp import MODEL_1_3B, MODEL_CPU, MODEL_TINY  # noqa: E402  (benchmarks/ is the script's directory)
+from provenance import provenance  # noqa: E402
+
+CASES = [
+    dict(name="dp2", schedule="1f1b", options=None),
+    dict(name="fbd-recompute", schedule="fbd", options={"mode": "recompute"}),
+    dict(name="fbd-ship", schedule="fbd", options={"mode": "ship"}),
+]
+
+
+def split_worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_megatron import MegatronAppStrategy
+    from lightning_megatron.data import SyntheticTokenDataModule
+    from lightning_megatron.models import GPTModule
+    from lightning_megatron.pipeline import get_schedule
+    from lightning_megatron.pipeline.fbd.perfmodel import describe
+    from lightning_megatron.pipeline.registry import ScheduleContext
+
+    on_cpu = args.cpu_dry_run or args.cpu
+    shape = MODEL_TINY if args.cpu_dry_run else MODEL_CPU if args.cpu else MODEL_1_3B
+    micro_batch = 2
+    on_gpu = torch.cuda.is_available() and not on_cpu
+    if on_cpu:
+        torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", 0))
+    results: dict[str, list[float]] = {}
+    predictions: dict[str, list[float]] = {}
+    models: dict[str, str] = {}
+    peaks: dict[str, float] = {}
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    class Bench(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            strategy = trainer.strategy
+            batch = strategy.batch_to_device(next(iter(trainer.datamodule.train_dataloader())))
+
+            def run_case(case: dict[str, Any], steps: int) -> list[float]:
+                entry = get_schedule(case["schedule"])
+                options = (
+                    entry.options({"transport": "shm", "report": False, **case["options"]})
+                    if case["options"] is not None
+                    else None
+                )
+                old, strategy._session = (
+                    strategy._session,
+                    entry.open(ScheduleContext(options, strategy.root_device, 600.0)),
+                )
+                times = []
+                try:
+                    for _ in range(steps):
+                        sync()
+                        start = time.perf_counter()
+                        strategy.forward_backward(batch)
+                        sync()
+                        times.append(time.perf_counter() - start)
+                    prediction = getattr(strategy._session, "prediction", None)
+                    if prediction is not None:
+                        predictions.setdefault(case["name"], []).append(prediction)
+                        models[case["name"]] = describe(strategy._session.parts, prediction)
+                finally:
+                    strategy._session.close()
+                    strategy._session = old
+                return times
+
+            for round_ in range(args.rounds):
+                for case in CASES if round_ % 2 == 0 else list(reversed(CASES)):
+                    if on_gpu:
+                        torch.cuda.reset_peak_memory_stats()
+                    times = run_case(case, args.warmup + args.steps)
+                    results.setdefault(case["name"], []).extend(times[args.warmup :])
+                    if on_gpu:
+                        peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=strategy.root_device)
+                        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+                        peaks[case["name"]] = max(peaks.get(case["name"], 0.0), float(peak))
+                    if rank == 0:
+                        print(
+                            f"round {round_} {case['name']}: {statistics.median(times[args.warmup :]):.4f} s",
+                            flush=True,
+                        )
+            trainer.should_stop = True
+
+    gbs = micro_batch * args.microbatches * 2  # DP2: each replica's batch holds `microbatches` microbatches
+    trainer = pl.Trainer(
+        accelerator="cpu" if on_cpu else "gpu",
+        devices=2,
+        precision="32-true" if on_cpu else "bf16-mixed",
+        strategy=MegatronAppStrategy(micro_batch_size=micro_batch, timeout=600),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[Bench()],
+    )
+    model = GPTModule(**shape, activation="gelu_tanh", split_invariant_init=False, layer_spec=args.layer_spec)
+    data = SyntheticTokenDataModule(
+        vocab_size=shape["vocab_size"], seq_length=shape["seq_length"], global_batch_size=gbs, num_train_samples=gbs * 4
+    )
+    trainer.fit(model, data)
+    if rank != 0:
+        return
+    base = statistics.median(results["dp2"])
+    rows = []
+    for case in CASES:
+        median = statistics.median(results[case["name"]])
+        samples = micro_batch * args.microbatches * (2 if case["name"] == "dp2" else 1)
+        row: dict[str, Any] = {
+            "case": case["name"],
+            "median_step_s": round(median, 5),
+            "steps_s": [round(t, 5) for t in results[case["name"]]],
+            "samples_per_s": round(samples / median, 3),
+            "throughput_vs_dp2": round((samples / median) / (2 * micro_batch * args.microbatches / base), 4),
+            "peak_memory_gib": round(peaks.get(case["name"], 0.0), 2),
+        }
+        if case["name"] in predictions:
+            predicted = statistics.median(predictions[case["name"]])
+            row["predicted_step_s"] = round(predicted, 5)
+            row["prediction_error"] = round((predicted - median) / median, 4)
+            row["within_10_percent"] = abs(predicted - median) <= 0.1 * median
+            row["performance_model"] = models[case["name"]]
+        rows.append(row)
+    summary = {
+        "benchmark": "fbd rank split (PP1, DP2: 1 forward + 1 backward replica) vs DP2",
+        "model": shape,
+        "layer_spec": args.layer_spec,
+        "micro_batch_size": micro_batch,
+        "microbatches_per_replica": args.microbatches,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "rows": rows,
+        "theory": "recompute: 1/(2(F+B)/(F+B)) = 0.5x of DP2; ship: <= 0.75x (B / (F+B) with the forward off the "
+        "backward GPU, if the transfer and replay hide)",
+        **provenance(),
+    }
+    for row in rows:
+        print(
+            f"{row['case']:>14}: {row['median_step_s'] * 1e3:9.1f} ms  {row['throughput_vs_dp2']:.3f}x dp2  "
+            f"predicted {row.get('predicted_step_s', 0) * 1e3:9.1f} ms ({row.get('prediction_error', 0):+.1%})  "
+            f"peak {row['peak_memory_gib']} GiB"
+        )
+        if "performance_model" in row:
+            print(row["performance_model"])
+    text = json.dumps(summary, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)

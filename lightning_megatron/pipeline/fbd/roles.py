@@ -1,0 +1,100 @@
+"""Who does what in MegaFBD's rank split: forward replicas, backward replicas, and who feeds whom.
+
+The job keeps megatron-core's layout (TP × PP × DP, every rank one process and one GPU); the split is over the
+data-parallel replicas. The last ``forward_replicas`` replicas run forwards only; the first ``B = DP − F`` run the
+backwards, read the data (the sampler shards it ``B`` ways) and own the loss. Backward replica ``b`` is fed by
+forward replica ``b mod F``, so one forward replica serves ``⌈B / F⌉`` backward replicas at most (the ratio).
+
+Forward replicas stay data-parallel replicas: they take part in the gradient reduction with zero gradients and
+zero tokens (exact, because the strategy scales gradients by the global token count, not by the replica count)
+and run the same optimizer step, so they hold the updated weights after every step without a broadcast.
+
+:class:`Roles` also knows every rank's ``(replica, stage, tensor rank)`` (one all-gather when the session opens),
+so a rank can name the partner that serves a message whichever replica, stage and TP rank it sits at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from lightning_megatron.errors import MegatronConfigError
+
+__all__ = ["Roles", "check_replicas", "data_shard"]
+
+
+def check_replicas(forward_replicas: int, data_parallel: int) -> None:
+    if forward_replicas >= data_parallel:
+        raise MegatronConfigError(
+            f"schedule='fbd' with forward_replicas={forward_replicas} needs a data-parallel size above it (one "
+            f"replica at least runs the backwards), but the data-parallel size is {data_parallel}. Add GPUs "
+            "(devices x nodes = TP x PP x DP) or lower schedule_options.forward_replicas."
+        )
+
+
+def data_shard(options: object, rank: int, size: int) -> tuple[int, int]:
+    """The sampler's ``(rank, replicas)``: backward replicas split the data; a forward replica reads its first
+    partner's shard (it never uses it: partners send the microbatches they run)."""
+    forward = int(getattr(options, "forward_replicas", 1))
+    backward = max(size - forward, 1)
+    return (rank if rank < backward else (rank - backward) % backward), backward
+
+
+@dataclass(frozen=True)
+class Roles:
+    forward_replicas: int
+    backward_replicas: int
+    replica: int
+    """This rank's data-parallel index."""
+    stage: int
+    stages: int
+    tensor_rank: int
+    _grid: dict[tuple[int, int, int], int]
+
+    @classmethod
+    def discover(cls, forward_replicas: int, device: torch.device) -> Roles:
+        """This rank's role and the map of every rank (one all-gather over the world, at session open)."""
+        dp = parallel_state.get_data_parallel_world_size()
+        check_replicas(forward_replicas, dp)
+        if parallel_state.get_context_parallel_world_size() != 1:
+            raise MegatronConfigError("schedule='fbd' does not run with context parallelism; set its size to 1.")
+        mine = torch.tensor(
+            [
+                parallel_state.get_data_parallel_rank(),
+                parallel_state.get_pipeline_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_rank(),
+            ],
+            dtype=torch.int64,
+            device=device,
+        )
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        grid = {tuple(int(v) for v in t.tolist()): rank for rank, t in enumerate(every)}
+        return cls(
+            forward_replicas=forward_replicas,
+            backward_replicas=dp - forward_replicas,
+            replica=int(mine[0]),
+            stage=int(mine[1]),
+            stages=parallel_state.get_pipeline_model_parallel_world_size(),
+            tensor_rank=int(mine[2]),
+            _grid=grid,
+        )
+
+    @property
+    def is_forward(self) -> bool:
+        return self.replica >= self.backward_replicas
+
+    def feeder(self, backward_replica: int) -> int:
+        """The forward replica (data-parallel index) that serves ``backward_replica``."""
+        return self.backward_replicas + backward_replica % self.forward_replicas
+
+    def served(self) -> list[int]:
+        """A forward replica's backward replicas, in the order it runs their microbatches."""
+        return [b for b in range(self.backward_replicas) if self.feeder(b) == self.replica]
+
+    def rank(self, replica: int, stage: int) -> int:
+        """The global rank at ``(replica, stage)`` with this rank's tensor-parallel index."""
+        return self._grid[(replica, stage, self.tensor_rank)]
