@@ -479,10 +479,19 @@ class TorchTransport(Transport):
                 handle.wait(max(deadline - time.monotonic(), 0.0))
             except TransportError:
                 pass
-        for channel in self._channels.values():
+        channels = list(self._channels.values())
+        for channel in channels:
             channel.stop_sending()
         with mailbox.cond:
             mailbox.closed = True
             mailbox.arrived.clear()
             mailbox.cond.notify_all()
-        self._channels.clear()  # the threads keep their channel (and its backends) until they end
+        self._channels.clear()
+        # Wait for the threads: a receive thread ends on the peer's close notice (or when its connection drops). A
+        # process that exits while one of them is still inside a backend's wait() is aborted by the C++ runtime
+        # ("terminate called without an active exception"), so closing must not return before they end. A peer
+        # that stays alive without closing leaves its receive thread waiting: given up after the grace period.
+        for channel in channels:
+            channel.send_thread.join(max(deadline - time.monotonic(), 0.0))
+        for channel in channels:
+            channel.recv_thread.join(max(deadline - time.monotonic(), 0.0))
