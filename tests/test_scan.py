@@ -155,3 +155,44 @@ def test_bad_arguments_say_what_to_change() -> None:
         MegaScan(granularity="kernel")  # type: ignore[arg-type]
     with pytest.raises(MegatronConfigError, match="factor"):
         SlowdownInjector(ranks=[0], factor=0.5)
+
+
+def traced_pipeline(trace_dir: str, world: int, **layout: Any) -> None:
+    scan = MegaScan(trace_dir, interval=1, window=1, detect=False)
+    cases.fit_gpt(world, steps=3, callbacks=[scan], model={"num_layers": 8}, data={"global_batch_size": 16}, **layout)
+
+
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+        (4, {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2}),
+        (2, {"pipeline_model_parallel_size": 2}),
+    ],
+    ids=["pp2-vpp2", "pp4-vpp2", "pp2"],
+)
+def test_pipeline_flows_pair_every_message(ranks: Any, tmp_path: Path, world: int, layout: dict[str, Any]) -> None:
+    """megatron-core's own schedules: every send pairs with its receive (what a call really moved, not what its
+    timer's name says), no flow is dropped or drawn backwards, and sends say which chunk and microbatch they carry."""
+    ranks.run(world, traced_pipeline, str(tmp_path / "trace"), world, **layout)
+    sends = recvs = 0
+    for path in list_rank_files(tmp_path / "trace").values():
+        for event in read_rank_file(path):
+            if event.get("cat") == "p2p" and event["ph"] == "X":
+                for send in event["args"]["sends"]:
+                    assert {"peer", "seq", "direction", "chunk", "microbatch"} <= send.keys(), send
+                sends += len(event["args"]["sends"])
+                recvs += len(event["args"]["recvs"])
+    # 2 traced steps x 8 microbatches x (stages x virtual - 1) boundaries x 2 directions
+    boundaries = layout["pipeline_model_parallel_size"] * layout.get("virtual_pipeline_model_parallel_size", 1) - 1
+    assert sends == recvs == 2 * 8 * boundaries * 2, (sends, recvs)
+    merged = tmp_path / "merged.json.gz"
+    summary = aggregate(tmp_path / "trace", merged, progress=False)
+    counts = summary["flows"]
+    assert counts["unmatched_sends"] == counts["unmatched_recvs"] == 0, counts
+    assert counts["p2p"] == sends, counts  # none dropped as "received before sent"
+    with gzip.open(merged, "rt") as stream:
+        events = json.load(stream)["traceEvents"]
+    starts = {e["id"]: e["ts"] for e in events if e["ph"] == "s" and e.get("cat") == "p2p"}
+    ends = {e["id"]: e["ts"] for e in events if e["ph"] == "f" and e.get("cat") == "p2p"}
+    assert starts.keys() == ends.keys() and all(ends[i] >= starts[i] for i in starts)

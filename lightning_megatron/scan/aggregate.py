@@ -12,7 +12,8 @@ files twice and never holds more than one rank's events (plus the small cross-ra
    consistently early or late has a residual clock error; its median residual is subtracted when it is within
    ``3 × uncertainty + 2 ms`` (unbounded for a rank without clock records: collectives are all it has). The
    residual skew (|end − instance median|, median and p95) before and after is reported, a direct measure of
-   how well the timeline lines up.
+   how well the timeline lines up. Ranks on one machine (equal ``clock_domain``: they read the same monotonic
+   clock) then share one offset, since the true offset between them is zero.
 2. *Write*: per rank, its events shifted onto rank 0's clock and sorted (timestamps monotonic per thread, as
    viewers expect), interleaved with flow arrows: every matched p2p send → recv (``cat: p2p``) and, for every
    collective instance, from its last-arriving member, the one everybody waited for, to each other member
@@ -319,6 +320,24 @@ def _refine(
     return refined, sorted(rejected)
 
 
+def _share_clock_domains(scan: _Scan, offsets: dict[int, float], reference: int) -> dict[int, float]:
+    """Ranks that read the same clock (one machine: same ``clock_domain``) get one offset: the reference rank's
+    for its own machine, else the median of the machine's estimates. Measured offsets and refinement carry errors
+    of tens of µs, larger than the gap between a send and its receive on one machine, which made flows point
+    backwards; the true offset between them is zero."""
+    domains: dict[str, list[int]] = defaultdict(list)
+    for rank in offsets:
+        domain = (scan.info.get(rank) or {}).get("clock_domain")
+        if domain:
+            domains[domain].append(rank)
+    shared = dict(offsets)
+    for ranks in domains.values():
+        value = offsets[reference] if reference in ranks else statistics.median(offsets[r] for r in ranks)
+        for rank in ranks:
+            shared[rank] = value
+    return shared
+
+
 def _compact(ranks: list[int]) -> str:
     """``0-3,7,9-12``: rank lists stay readable at 1024 ranks."""
     parts, ranks = [], sorted(ranks)
@@ -447,6 +466,7 @@ def aggregate(
         offsets, rejected = _refine(before, offsets, uncertainty, has_clock, reference)
         if rejected:
             _notify(f"clock refinement rejected (beyond 3x uncertainty + 2 ms) for rank(s) {_compact(rejected)}")
+    offsets = _share_clock_domains(scan, offsets, 0 if 0 in offsets else min(offsets))
     after = _residuals(instances, offsets)
     collective_instances = len(scan.collectives)
     flows, flow_counts = _flows(scan, offsets)

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.scan.clock import ClockOffset, measure_offset, now_us
+from lightning_megatron.scan.clock import ClockOffset, clock_domain, measure_offset, now_us
 from lightning_megatron.scan.collectives import CollectiveTracer
 from lightning_megatron.scan.format import TID, clock_metadata, open_for_append, rank_file_name, rank_metadata
 from lightning_megatron.scan.layers import LayerTracer
@@ -136,6 +136,7 @@ class MegaScan(pl.Callback, StepListener):
             "world_size": world,
             **coords,
             "host": socket.gethostname(),
+            "clock_domain": clock_domain(),
             "device": str(strategy.root_device),
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "granularity": self.granularity,

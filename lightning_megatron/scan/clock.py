@@ -25,6 +25,19 @@ def now_us() -> float:
     return time.perf_counter_ns() / 1000.0
 
 
+def clock_domain() -> str:
+    """Which monotonic clock :func:`now_us` reads: one per booted kernel (processes in containers and network
+    namespaces of one machine share it), so ranks with equal domains need no clock alignment between them.
+    A host name is not enough: containers on different machines often share one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        import socket
+
+        return f"host:{socket.gethostname()}"
+
+
 @dataclass(frozen=True)
 class ClockOffset:
     offset_us: float

@@ -50,7 +50,9 @@ class StepListener:
         """The ``phase`` (``"forward"`` or ``"backward"``) now running is that of this chunk's microbatch."""
 
     def p2p_messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
-        """The open p2p span ``name`` moves these messages (told by schedules that know, such as MegaDPP).
+        """The open p2p span ``name`` moves these messages: told by megatron-core's pipeline calls (what each
+        call really posted, ``compat/megatron_p2p.py``) and by schedules with their own transports (MegaDPP,
+        MegaFBD, or one registered from outside: call ``config.timers.messages(name, sends, recvs)`` inside the span).
 
         Each is ``{"peer", "bytes", "seq", "direction", ...}``; ``seq`` is the same on both ends of a message
         (MegaDPP: its tag), so a tracer pairs sends with receives whatever order they ran in."""

@@ -176,6 +176,7 @@ class MegatronAppStrategy(ParallelStrategy):
         self._parallel: Optional[ParallelContext] = None
         self._chunks: list[torch.nn.Module] = []  # model chunks as the schedule sees them (wrapped)
         self._step_listeners: list[StepListener] = []
+        self._p2p_messages: Optional[Any] = None  # reports megatron-core's pipeline messages while listeners exist
 
     # -- Lightning plumbing -------------------------------------------------------------------------
     @classmethod
@@ -455,7 +456,19 @@ class MegatronAppStrategy(ParallelStrategy):
             self._sync_timers()
 
     def _sync_timers(self) -> None:
-        # megatron-core only calls timers when config.timers is set: no listener, no cost.
+        # megatron-core only calls timers when config.timers is set: no listener, no cost. With listeners, what
+        # megatron-core's pipeline calls really move is reported to them too (compat/megatron_p2p.py).
+        from lightning_megatron.compat import megatron_p2p
+
+        wanted = any(not isinstance(listener, megatron_p2p.P2PMessages) for listener in self._step_listeners)
+        if wanted and self._p2p_messages is None:
+            self._p2p_messages = megatron_p2p.P2PMessages()
+            megatron_p2p.install(self._p2p_messages)
+            self._step_listeners.insert(0, self._p2p_messages)
+        elif not wanted and self._p2p_messages is not None:
+            megatron_p2p.uninstall(self._p2p_messages)
+            self._step_listeners.remove(self._p2p_messages)
+            self._p2p_messages = None
         for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
             config.timers = TimersDispatcher(self._step_listeners) if self._step_listeners else None
 
