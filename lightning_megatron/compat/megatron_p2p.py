@@ -18,16 +18,16 @@ from typing import Any, Optional
 import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
-
-__all__ = ["P2PMessages", "install", "uninstall"]
+__all__ = ["P2PMessages", "follow", "install", "uninstall"]
 
 _ORIGINAL = P2PCommunicator._communicate
 _ACTIVE: Optional[P2PMessages] = None
 
 
-class P2PMessages(StepListener):
-    """Keeps what the wrapper needs: the open pipeline span, the last microbatch of each phase, the counters."""
+class P2PMessages:
+    """A step listener (``strategy.listeners.StepListener``'s interface; not a subclass, so that this module
+    imports nothing of the strategy's) keeping what the wrapper needs: the open pipeline span, the last microbatch
+    of each phase, the counters."""
 
     nesting = -1  # outside the tracers: a span's messages are known before a tracer closes it
 
@@ -39,7 +39,7 @@ class P2PMessages(StepListener):
         self._seq: dict[tuple[int, str, str], int] = {}
 
     def span_start(self, name: str) -> None:
-        if name in P2P_TIMERS:
+        if name.endswith(("-send", "-recv")):  # megatron-core's pipeline timers: forward-send-backward-recv, ...
             self.open, self.sends, self.recvs = name, [], []
 
     def span_stop(self, name: str) -> None:
@@ -48,6 +48,9 @@ class P2PMessages(StepListener):
 
     def microbatch(self, phase: str, chunk: int, microbatch: int) -> None:
         self.last[phase] = (chunk, microbatch)
+
+    def p2p_messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
+        pass
 
     def record(self, way: str, peer: int, direction: str, tensor: Optional[torch.Tensor]) -> dict[str, Any]:
         key = (peer, way, direction)
@@ -91,3 +94,19 @@ def uninstall(recorder: P2PMessages) -> None:
     if _ACTIVE is recorder:
         _ACTIVE = None
         P2PCommunicator._communicate = _ORIGINAL
+
+
+def follow(listeners: list[Any], recorder: Optional[P2PMessages], active: bool = True) -> Optional[P2PMessages]:
+    """Keep a recorder at the front of ``listeners`` (installed) while they hold a listener of the user's and
+    ``active``; remove and uninstall it otherwise. Returns the recorder in use (or None)."""
+    wanted = active and any(not isinstance(listener, P2PMessages) for listener in listeners)
+    if wanted and recorder is None:
+        recorder = P2PMessages()
+        install(recorder)
+        listeners.insert(0, recorder)
+    elif not wanted and recorder is not None:
+        uninstall(recorder)
+        if recorder in listeners:
+            listeners.remove(recorder)
+        recorder = None
+    return recorder

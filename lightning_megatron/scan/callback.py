@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -49,6 +50,12 @@ class MegaScan(pl.Callback, StepListener):
         detect: At fit end, rank 0 reads all traces and reports slow ranks (``self.report``, the console,
             the Trainer's logger).
         detect_options: Thresholds for ``scan.detect.detect`` (``min_slowdown``, ``min_z``, ``min_impact``).
+        detect_every: Also detect *during* the fit, after every this many traced windows: rank 0 analyses the
+            last ``detect_steps`` steps (read in bounded memory), prints and logs suspects as they appear and
+            recover (``megascan/...`` metrics, ``self.online``), and calls ``on_detect``. None: at fit end only.
+        detect_steps: The sliding window of recent steps online detection looks at.
+        on_detect: ``on_detect(report, trainer) -> bool``, on rank 0 after each online detection (save a
+            checkpoint, page someone, exclude a host); returning True stops training on every rank.
         gzip: Write ``.json.gz``.
         clock_rounds: Round trips per rank when measuring clock offsets (at fit start and after each window).
     """
@@ -62,6 +69,9 @@ class MegaScan(pl.Callback, StepListener):
         granularity: Granularity = "stage",
         detect: bool = True,
         detect_options: Optional[dict[str, float]] = None,
+        detect_every: Optional[int] = None,
+        detect_steps: int = 20,
+        on_detect: Optional[Callable[[Any, pl.Trainer], Optional[bool]]] = None,
         gzip: bool = False,
         clock_rounds: int = 8,
     ) -> None:
@@ -74,6 +84,16 @@ class MegaScan(pl.Callback, StepListener):
             raise MegatronConfigError(f"MegaScan(granularity={granularity!r}): choose 'stage', 'layer' or 'op'.")
         if start_step < 0 or clock_rounds < 1:
             raise MegatronConfigError("MegaScan: start_step must be >= 0 and clock_rounds >= 1.")
+        if detect_every is not None and (detect_every < 1 or detect_steps < 2):
+            raise MegatronConfigError(
+                f"MegaScan(detect_every={detect_every}, detect_steps={detect_steps}): detect_every is a number of "
+                "traced windows (>= 1, or None for fit end only) and detect_steps a number of recent steps (>= 2)."
+            )
+        self.detect_every, self.detect_steps, self.on_detect = detect_every, detect_steps, on_detect
+        self.online: list[dict[str, Any]] = []
+        """Online detections: ``{"step", "report", "appeared", "recovered"}`` each (rank 0)."""
+        self._windows = 0
+        self._suspected: set[tuple[int, str]] = set()
         self.trace_dir = Path(trace_dir)
         self.interval, self.window, self.start_step = interval, window, start_step
         self.granularity = granularity
@@ -221,7 +241,43 @@ class MegaScan(pl.Callback, StepListener):
             step = trainer.global_step - 1  # global_step already counts this batch's optimizer step
             if self._window_ends(step, trainer.max_steps):
                 self._finish_window()
+                self._windows += 1
+                if self.detect_every and self._windows % self.detect_every == 0:
+                    self._detect_online(trainer, step)
         self._last_batch_end = now_us()
+
+    def _detect_online(self, trainer: pl.Trainer, step: int) -> None:
+        """Detection over the recent steps, during the fit (every rank calls this at the same step)."""
+        trainer.strategy.barrier("megascan-online")  # every rank's window is on disk
+        stop = False
+        if trainer.is_global_zero:
+            from lightning_megatron.scan.detect import detect, log_to
+
+            since = max(step - self.detect_steps + 1, self.start_step)
+            report = detect(self.trace_dir, since_step=since, **self.detect_options)
+            now = {(s.rank, s.kind) for s in report.suspects}
+            appeared, recovered = sorted(now - self._suspected), sorted(self._suspected - now)
+            self._suspected = now
+            self.online.append({"step": step, "report": report, "appeared": appeared, "recovered": recovered})
+            for suspect in report.suspects:
+                if (suspect.rank, suspect.kind) in appeared:
+                    lost = suspect.evidence.get("impact_ms")
+                    cost = f", {lost:.1f} ms lost per step" if lost is not None else ""
+                    print(
+                        f"MegaScan at step {step}: rank {suspect.rank} is slow ({suspect.kind}, "
+                        f"+{suspect.slowdown:.0%}{cost})",
+                        flush=True,
+                    )
+            for rank, kind in recovered:
+                print(f"MegaScan at step {step}: rank {rank} recovered ({kind})", flush=True)
+            if trainer.logger is not None:
+                log_to(trainer.logger, report, step)
+                if recovered:
+                    trainer.logger.log_metrics({"megascan/recovered": float(len(recovered))}, step=step)
+            if self.on_detect is not None:
+                stop = bool(self.on_detect(report, trainer))
+        if trainer.strategy.broadcast(stop, src=0):
+            trainer.should_stop = True
 
     def _finish_window(self) -> None:
         self._collectives.uninstall()

@@ -105,6 +105,7 @@ def detect(
     min_z: float = 3.5,
     min_impact: float = 0.005,
     skip_steps: int = 0,
+    since_step: Optional[int] = None,
 ) -> DetectionReport:
     """Rank the ranks (and links) of a MegaScan trace directory that are slower than their peers.
 
@@ -112,13 +113,14 @@ def detect(
     ``min_z``: the log ratio to the baseline must also be this many standard errors (from the samples' MAD);
     with few samples and a lot of noise (CPU test runs) this is the test that binds.
     ``min_impact``: ... and the slowness must cost at least this fraction of the median step time per step.
-    ``skip_steps``: leave out the first recorded steps (warm-up).
+    ``skip_steps``: leave out the first recorded steps (warm-up). ``since_step``: analyse only that step and
+    later (MegaScan's online detection: a sliding window of recent steps, read in bounded memory).
     Besides, a suspect must be slower than a healthy peer in 80 % of sample pairs (see the module docstring).
     Missing or truncated rank files only produce warnings (in the report, and as Python warnings); a directory
     without rank files raises ``FileNotFoundError``."""
     trace_dir = Path(trace_dir)
     notes: list[str] = []
-    traces = read_traces(trace_dir, notes)
+    traces = read_traces(trace_dir, notes, since_step)
     all_steps = keep_finished_steps(traces, skip_steps, notes)
 
     per_rank = {rank: summarize(trace) for rank, trace in traces.items()}

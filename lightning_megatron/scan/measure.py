@@ -88,8 +88,9 @@ class RankTrace:
         return {"rank": self.rank, "dp": self.dp, "pp": self.pp, "tp": self.tp, "host": self.host}
 
 
-def read_traces(trace_dir: Path, notes: list[str]) -> dict[int, RankTrace]:
-    """Every rank file of ``trace_dir``, read; ``FileNotFoundError`` when there is none.
+def read_traces(trace_dir: Path, notes: list[str], since_step: Optional[int] = None) -> dict[int, RankTrace]:
+    """Every rank file of ``trace_dir``, read; ``FileNotFoundError`` when there is none. ``since_step``: keep only
+    the spans of that step and later (memory bounded by the steps kept, however long the run).
 
     Unreadable tails (a crashed run's cut line), ranks without a file and ranks without a clock record are noted."""
     files = list_rank_files(trace_dir)
@@ -99,7 +100,7 @@ def read_traces(trace_dir: Path, notes: list[str]) -> dict[int, RankTrace]:
     for rank, path in sorted(files.items()):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            traces[rank] = _read(path, rank)
+            traces[rank] = _read(path, rank, since_step)
         notes += [str(w.message) for w in caught]
     world = max([t.world_size for t in traces.values() if t.world_size] + [max(traces) + 1])
     missing = sorted(set(range(world)) - set(traces))
@@ -111,7 +112,7 @@ def read_traces(trace_dir: Path, notes: list[str]) -> dict[int, RankTrace]:
     return traces
 
 
-def _read(path: Path, rank: int) -> RankTrace:
+def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:
     trace = RankTrace(rank=rank)
     match = RANK_FILE_PATTERN.match(path.name)
     if match:
@@ -119,7 +120,8 @@ def _read(path: Path, rank: int) -> RankTrace:
     for event in read_rank_file(path):
         phase = event.get("ph")
         if phase == "X" and "cat" in event:
-            trace.spans.append(event)
+            if since_step is None or (_step_of(event) or 0) >= since_step:
+                trace.spans.append(event)
         elif phase == "M":
             args = event.get("args") or {}
             if event.get("name") == "megascan.rank":

@@ -36,6 +36,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
+from lightning_megatron.compat import megatron_p2p
 from lightning_megatron.compat.lightning import ScriptLauncher
 from lightning_megatron.compat.megatron import batched_p2p_is_safe, initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
@@ -48,6 +49,7 @@ from lightning_megatron.strategy.microbatch import infer_seq_length, split_micro
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
 from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout
 from lightning_megatron.strategy.precision import MegatronPrecision, from_lightning_plugin
+from lightning_megatron.strategy.release import collect_previous_fits, release_training_state
 from lightning_megatron.strategy.step import StepOutput, run_forward_backward
 
 __all__ = ["MegatronAppStrategy"]
@@ -259,6 +261,7 @@ class MegatronAppStrategy(ParallelStrategy):
             from lightning_megatron.compat import cpu
 
             cpu.apply()
+        collect_previous_fits()
         super().setup_environment()  # the accelerator sets the CUDA device
         reset_seed()
         self.set_world_ranks()
@@ -456,19 +459,8 @@ class MegatronAppStrategy(ParallelStrategy):
             self._sync_timers()
 
     def _sync_timers(self) -> None:
-        # megatron-core only calls timers when config.timers is set: no listener, no cost. With listeners, what
-        # megatron-core's pipeline calls really move is reported to them too (compat/megatron_p2p.py).
-        from lightning_megatron.compat import megatron_p2p
-
-        wanted = any(not isinstance(listener, megatron_p2p.P2PMessages) for listener in self._step_listeners)
-        if wanted and self._p2p_messages is None:
-            self._p2p_messages = megatron_p2p.P2PMessages()
-            megatron_p2p.install(self._p2p_messages)
-            self._step_listeners.insert(0, self._p2p_messages)
-        elif not wanted and self._p2p_messages is not None:
-            megatron_p2p.uninstall(self._p2p_messages)
-            self._step_listeners.remove(self._p2p_messages)
-            self._p2p_messages = None
+        # megatron-core calls timers only when config.timers is set: no listener, no cost. (+ what its p2p moves)
+        self._p2p_messages = megatron_p2p.follow(self._step_listeners, self._p2p_messages)
         for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
             config.timers = TimersDispatcher(self._step_listeners) if self._step_listeners else None
 
@@ -599,6 +591,14 @@ class MegatronAppStrategy(ParallelStrategy):
         if self._session is not None:
             self._session.close()
             self._session = None
+        self._p2p_messages = megatron_p2p.follow(self._step_listeners, self._p2p_messages, active=False)
+        release_training_state(
+            self._chunks, {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values()
+        )
+        # The chunks stay usable for forward passes after the fit (serving, generation): only the DDP goes.
+        self._chunks = [c.module if isinstance(c, DistributedDataParallel) else c for c in self._chunks]
+        self.optimizers = []
+        self.lr_scheduler_configs = []
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
