@@ -35,7 +35,7 @@ def fit_and_look(world_size: int, **strategy: Any) -> dict[str, Any]:
     hooks = ("no_sync_func", "grad_sync_func", "finalize_model_grads_func", "grad_scale_func", "timers")
     return {
         "alive": {name: sum(ref() is not None for ref in refs) for name, refs in watch.refs.items()},
-        "main_grads": sum(hasattr(p, "main_grad") for p in watch.params),
+        "main_grads": sum(hasattr(p, "main_grad") or hasattr(p, "main_param") for p in watch.params),
         "config_hooks": sorted({h for c in watch.configs for h in hooks if getattr(c, h, None) is not None}),
     }
 

@@ -20,8 +20,10 @@ import release_cases as rc
     [
         {"pipeline_model_parallel_size": 2},
         {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True},
+        {"precision": "bf16-mixed", "use_distributed_optimizer": True},  # fp32 master copies on the parameters
+        {"precision": "bf16-mixed", "pipeline_model_parallel_size": 2},
     ],
-    ids=["pp2", "dp2-distopt-overlap"],
+    ids=["pp2", "dp2-distopt-overlap", "bf16-distopt", "bf16-pp2"],
 )
 def test_training_state_is_freed_when_the_fit_ends(ranks: Any, strategy: dict[str, Any]) -> None:
     for rank, seen in enumerate(ranks.run(2, rc.fit_and_look, 2, **strategy)):
