@@ -86,6 +86,16 @@ def test_rank_split_matches_1f1b(ranks: Any, layout: str, mode: str) -> None:
         assert got[rank]["prediction"] and got[rank]["prediction"] > 0, what
 
 
+def test_validation_runs_on_the_backward_replicas(ranks: Any) -> None:
+    """Validation steps run megatron-core's own schedule on the backward replicas (forward replicas report
+    nothing): the validation losses are 1F1B's."""
+    common = dict(pipeline_model_parallel_size=2, steps=4, trainer={"limit_val_batches": 2, "val_check_interval": 2})
+    want = ranks.run(2, dc.fit_recording, 2, schedule="1f1b", **common)
+    got = ranks.run(4, dc.fit_recording, 4, schedule="fbd", schedule_options={"mode": "ship"}, **common)
+    for rank in range(4):
+        assert got[rank]["val_loss"] == want[0]["val_loss"] and len(got[rank]["val_loss"]) == 2, got[rank]
+
+
 def test_resume_from_checkpoint(ranks: Any, tmp_path: Path) -> None:
     from test_checkpoint import SAVE_EVERY, assert_continues, fit
 

@@ -1,7 +1,7 @@
 """MegaFBD's rank split (``schedule="fbd"``): forward replicas run forwards, backward replicas run backwards.
 
-``roles`` (which data-parallel replicas do what, who feeds whom), ``schedule`` (the session: messages, both
-roles' loops), ``replay`` (ship mode: capture saved tensors, rebuild the graph without GEMMs), ``perfmodel`` (the
+``roles`` (which data-parallel replicas do what, who feeds whom), ``wiring`` (message tags, who talks to whom, the
+link's calibration), ``schedule`` (the session: both roles' loops), ``replay`` (ship mode: capture saved tensors, rebuild the graph without GEMMs), ``perfmodel`` (the
 step time predicted from measured parts), ``options`` (the ``schedule_options`` the strategy takes).
 
 When to use it, and when the weight-gradient split on the same GPUs (``schedule="zb-h1"``) is the better

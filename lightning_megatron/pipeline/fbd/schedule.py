@@ -46,6 +46,23 @@ from lightning_megatron.pipeline.fbd.options import FbdOptions
 from lightning_megatron.pipeline.fbd.perfmodel import Parts, describe, predict
 from lightning_megatron.pipeline.fbd.replay import Bundle, Capture, replaying
 from lightning_megatron.pipeline.fbd.roles import Roles
+from lightning_megatron.pipeline.fbd.wiring import (
+    ACTIVATION,
+    CREDIT,
+    DATA,
+    GRADIENT,
+    HEADER,
+    ITEM,
+    LOSS,
+    RNG,
+    SHAPE,
+    STAGE_INPUT,
+    calibrate,
+    dropout_of,
+    forward_stages,
+    message_tag,
+    peers,
+)
 from lightning_megatron.pipeline.gradsync import GradSync
 from lightning_megatron.pipeline.registry import ScheduleContext
 from lightning_megatron.pipeline.transports import open_transport
@@ -53,19 +70,10 @@ from lightning_megatron.transport import Transport
 
 __all__ = ["FbdSession"]
 
-# Message kinds (a tag is (step, kind, backward replica, microbatch, part) packed into an int).
-ITEM, STAGE_INPUT, RNG, HEADER, DATA, LOSS, CREDIT, ACTIVATION, GRADIENT, SHAPE, CALIBRATE = range(11)
 _MEASURED_STEPS = (1, 2)
 """The steps whose parts feed the performance model (the first one warms allocators and links up)."""
-_CALIBRATION_BYTES = (4096, 256 * 2**20)
-"""A latency probe and a bandwidth probe (large enough that the link, not the host, takes most of its time)."""
-_CALIBRATION_ROUNDS = 3
 _TRACED = {STAGE_INPUT: "forward", ACTIVATION: "forward", DATA: "forward", GRADIENT: "backward"}
 """The messages traced for MegaScan (the rest are small: microbatch tensors, RNG states, headers, credits)."""
-
-
-def _tag(step: int, kind: int, replica: int, microbatch: int, part: int = 0) -> int:
-    return ((((step % 2**20) * 16 + kind) * 2**10 + replica) * 2**16 + microbatch) * 2**8 + part
 
 
 class _Clock:
@@ -129,13 +137,13 @@ class FbdSession:
         if self.roles is not None and self.transport is not None:
             return self.roles, self.transport
         roles = Roles.discover(self.options.forward_replicas, self.device)
-        self.forward_stages = forward_stages(self.options.mode, roles.stages, _dropout(config))
-        peers = _peers(roles, self.options.mode, self.forward_stages)
+        self.forward_stages = forward_stages(self.options.mode, roles.stages, dropout_of(config))
+        partners = peers(roles, self.options.mode, self.forward_stages)
         transport = open_transport(
-            self.options.transport, self.options.transport_options, self.device, self.timeout, peers
+            self.options.transport, self.options.transport_options, self.device, self.timeout, partners
         )
         try:
-            self.link = _calibrate(roles, self.forward_stages, transport, self.timeout)
+            self.link = calibrate(roles, self.forward_stages, transport, self.timeout)
         except BaseException:
             transport.close()
             raise
@@ -275,7 +283,7 @@ class _Step:
         self.clock = session._clock  # one clock over the measured steps
         self.bytes: dict[int, float] = {}
         self.sync_s = 0.0
-        self.dropout = _dropout(self.config)
+        self.dropout = dropout_of(self.config)
         self.last = roles.stage == roles.stages - 1
         self.runs_forward = roles.stage < session.forward_stages
         """Whether the forward replicas run this rank's stage (else this stage's data and RNG travel nowhere)."""
@@ -290,11 +298,11 @@ class _Step:
             payload = payload.to("cpu")
         if m == 0 and part == 0:
             self.bytes[kind] = float(payload.numel() * payload.element_size())
-        peer, tag = self.roles.rank(replica, stage), _tag(self.step, kind, backward_replica, m, part)
+        peer, tag = self.roles.rank(replica, stage), message_tag(self.step, kind, backward_replica, m, part)
         self._traced("send", kind, peer, tag, m, lambda: (self.transport.isend(peer, tag, payload), payload)[1])
 
     def _recv(self, replica: int, stage: int, kind: int, backward_replica: int, m: int, part: int = 0) -> torch.Tensor:
-        peer, tag = self.roles.rank(replica, stage), _tag(self.step, kind, backward_replica, m, part)
+        peer, tag = self.roles.rank(replica, stage), message_tag(self.step, kind, backward_replica, m, part)
         tensor = self._traced("recv", kind, peer, tag, m, lambda: self.transport.recv(peer, tag, timeout=self.timeout))
         return tensor.to(self.device) if tensor.device != self.device else tensor
 
@@ -558,92 +566,3 @@ def _set_rng_states(states: Sequence[torch.Tensor], device: torch.device) -> Non
     tracker = get_cuda_rng_tracker()
     names = sorted(tracker.get_states())
     tracker.set_states(dict(zip(names, states[2 if device.type == "cuda" else 1 :])))
-
-
-# -- wiring ----------------------------------------------------------------------------------------------
-
-
-def _dropout(config: Any) -> float:
-    return max(getattr(config, "hidden_dropout", 0.0) or 0.0, getattr(config, "attention_dropout", 0.0) or 0.0)
-
-
-def forward_stages(mode: str, stages: int, dropout: float) -> int:
-    """The stages whose forward the forward replicas run: all in ship mode; in recompute mode all but the last
-    (its output feeds nobody), unless the model has dropout: then the last one too, so that every backward stage
-    recomputes under the RNG state its forward ran with (its masks are the forward's)."""
-    return stages if mode == "ship" or dropout > 0 else stages - 1
-
-
-def _peers(roles: Roles, mode: str, forward_stages: int) -> set[int]:
-    """Every rank this one exchanges messages with (each pair lists the other)."""
-    ship, stage, stages = mode == "ship", roles.stage, roles.stages
-    peers: set[int] = set()
-    if roles.is_forward:
-        if stage < forward_stages:
-            for b in roles.served():
-                peers.add(roles.rank(b, stage))
-                if not ship and stage + 1 < stages:
-                    peers.add(roles.rank(b, stage + 1))
-            if stage > 0:
-                peers.add(roles.rank(roles.replica, stage - 1))
-            if stage + 1 < forward_stages:
-                peers.add(roles.rank(roles.replica, stage + 1))
-    else:
-        feeder = roles.feeder(roles.replica)
-        if stage < forward_stages:
-            peers.add(roles.rank(feeder, stage))
-        if not ship and stage > 0:
-            peers.add(roles.rank(feeder, stage - 1))
-        if stage > 0:
-            peers.add(roles.rank(roles.replica, stage - 1))
-        if stage < stages - 1:
-            peers.add(roles.rank(roles.replica, stage + 1))
-    peers.discard(dist.get_rank())
-    return peers
-
-
-def _calibration_partner(
-    roles: Roles, backward_replica: int, stage: int, forward_stages: int
-) -> Optional[tuple[int, int]]:
-    """``(forward replica, stage)`` that backward rank ``(backward_replica, stage)`` times the link against."""
-    feeder = roles.feeder(backward_replica)
-    if stage < forward_stages:
-        return feeder, stage
-    if stage > 0:
-        return feeder, stage - 1
-    return None
-
-
-def _calibrate(roles: Roles, forward_stages: int, transport: Transport, timeout: float) -> tuple[float, float]:
-    """Latency and bandwidth between partners: round trips of a small and a large message, median of a few."""
-    device = transport.device
-    parts = range(len(_CALIBRATION_BYTES) * _CALIBRATION_ROUNDS)
-    if roles.is_forward:
-        for b in roles.served():
-            for stage in (roles.stage, roles.stage + 1):
-                partner = _calibration_partner(roles, b, stage, forward_stages) if stage < roles.stages else None
-                if partner == (roles.replica, roles.stage):
-                    peer = roles.rank(b, stage)
-                    for part in parts:
-                        echo = transport.recv(peer, _tag(0, CALIBRATE, b, 0, part), timeout=timeout)
-                        transport.isend(peer, _tag(0, CALIBRATE, b, 1, part), echo).wait(timeout)
-        return 0.0, float("inf")
-    partner = _calibration_partner(roles, roles.replica, roles.stage, forward_stages)
-    if partner is None:
-        return 0.0, float("inf")
-    peer = roles.rank(*partner)
-    seconds: dict[int, list[float]] = {}
-    for part in parts:
-        nbytes = _CALIBRATION_BYTES[part % len(_CALIBRATION_BYTES)]
-        payload = torch.ones(nbytes, dtype=torch.uint8, device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        transport.isend(peer, _tag(0, CALIBRATE, roles.replica, 0, part), payload)
-        echo = transport.recv(peer, _tag(0, CALIBRATE, roles.replica, 1, part), timeout=timeout)
-        if echo.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.setdefault(nbytes, []).append((time.perf_counter() - start) / 2)
-    small, large = (sorted(seconds[n])[len(seconds[n]) // 2] for n in _CALIBRATION_BYTES)
-    extra = _CALIBRATION_BYTES[1] - _CALIBRATION_BYTES[0]
-    return small, extra / max(large - small, large / 2, 1e-9)
