@@ -256,3 +256,14 @@ def test_megascan_traces_both_roles(ranks: Any, tmp_path: Path, mode: str) -> No
     assert counts["unmatched_sends"] == counts["unmatched_recvs"] == 0, counts
     # Every send found its receive; ranks of one machine share their clock, so none is drawn backwards or dropped.
     assert flows == counts["p2p"] == sends, counts
+
+
+@pytest.mark.parametrize("transport", ["torch", "tcp"])
+def test_other_transports(ranks: Any, transport: str) -> None:
+    """The transports MegaFBD picks across nodes (``auto``: ``torch``) carry it as ``shm`` does."""
+    common = dict(pipeline_model_parallel_size=2, steps=2)
+    want = ranks.run(2, dc.fit_recording, 2, schedule="1f1b", **common)
+    options = {"mode": "ship", "transport": transport}
+    got = ranks.run(4, dc.fit_recording, 4, schedule="fbd", schedule_options=options, **common)
+    for rank in range(4):
+        assert_close(got[rank], want[(rank // 2)], 1e-5, f"fbd over {transport}, rank {rank}")
