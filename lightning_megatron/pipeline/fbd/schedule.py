@@ -7,24 +7,24 @@ for who is who):
   same stage and tensor rank, which runs them: stage after stage along the forward replica's pipeline, one
   partner's microbatch after another's;
 * ``recompute`` mode: the forward runs without autograd; forward stage ``s``'s output (the input of stage
-  ``s + 1``) goes to backward stage ``s + 1`` (the last stage's forward is skipped: nobody needs it, unless the
-  model has dropout), with the RNG state it ran under when the model has dropout, so the recompute draws the
-  forward's masks. A backward stage
-  recomputes each microbatch from that input (stage 0 from its own data) and runs its backward as soon as the
-  next stage's gradient arrives: one activation in flight, and only gradients travel between backward stages;
+  ``s + 1``) goes to backward stage ``s + 1``, with the RNG state it ran under when the model has dropout, so
+  the recompute draws the forward's masks (the last stage's forward is skipped, as nobody needs its output,
+  unless the model has dropout). A backward stage recomputes each microbatch from that input (stage 0 from its
+  own data) and runs its backward as soon as the next stage's gradient arrives: one activation in flight, and
+  only gradients travel between backward stages;
 * ``ship`` mode: the forward runs with autograd and :class:`~lightning_megatron.pipeline.fbd.replay.Capture`
   records what its backward needs; the bundle goes to the backward rank at the same stage, which rebuilds the
   graph around it without the GEMMs (:func:`~lightning_megatron.pipeline.fbd.replay.replaying`) and runs the
-  backward. The last stage's loss and token count travel with the bundle. A forward rank stays at most
+  backward. The last stage's loss record (loss and token count) travels with the bundle. A forward rank stays at most
   ``prefetch`` microbatches ahead of each partner (the partner acknowledges each bundle it starts);
 * the loss and token counts of the step are the backward replicas' (forward replicas report none), the gradient
   reduction follows megatron-core's protocol on every replica (:class:`~lightning_megatron.pipeline.gradsync.GradSync`;
   forward replicas add zeros), so the optimizer step leaves every replica with the same weights.
 
 Validation steps (``forward_only``) run megatron-core's own schedule on the backward replicas (the forward
-replicas read no data and report nothing). The second and third training steps are measured (device events around every
-piece of work; the link was calibrated when the session opened) and composed into the performance model of
-:mod:`~lightning_megatron.pipeline.fbd.perfmodel`, printed on rank 0 and kept as ``session.prediction``.
+replicas read no data and report nothing). The second and third training steps are measured (device events
+around every piece of work; the link was calibrated when the session opened) and composed into the performance
+model of :mod:`~lightning_megatron.pipeline.fbd.perfmodel`, printed on rank 0 and kept as ``session.prediction``.
 Waits are bounded by the strategy's timeout; a dead peer raises :class:`~lightning_megatron.transport.PeerLost`.
 """
 
