@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import cases
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_megatron import MegatronConfigError
@@ -78,7 +80,8 @@ def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path)
         kinds = {(e.get("cat"), e["name"]) for e in events if e["ph"] == "X"}
         for expected in [("compute", "forward"), ("compute", "backward"), ("collective", "all_reduce")]:
             assert expected in kinds, (rank, expected)
-        assert ("optimizer", "optimizer-step") in kinds and ("data", "data-wait") in kinds
+        assert ("optimizer", "optimizer-step") in kinds and ("host", "host-gap") in kinds
+        assert ("data", "data-fetch") in kinds
         assert any(cat == "p2p" for cat, _ in kinds)
         forwards = [e for e in events if e.get("name") == "forward"]
         # 7 traced steps (1-7 of 8) × 8 microbatches (global batch 16, DP1, micro-batch 2)
@@ -247,3 +250,51 @@ def test_online_detection_can_stop_training(ranks: Any, tmp_path: Path) -> None:
     result = ranks.run(WORLD, online_fit, str(tmp_path), 100, 30, True, timeout=300)
     steps = {r["global_step"] for r in result}
     assert len(steps) == 1 and steps.pop() < 30, result  # every rank stopped, at the same step
+
+
+class _SlowOnOneRank(torch.utils.data.Dataset):
+    """Every sample of rank ``rank``'s loader takes ``delay_s`` longer to fetch."""
+
+    def __init__(self, inner: Any, rank: int, delay_s: float) -> None:
+        self.inner, self.rank, self.delay_s = inner, rank, delay_s
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        if dist.get_rank() == self.rank:
+            time.sleep(self.delay_s)
+        return self.inner[index]
+
+
+def data_fault_fit(trace_dir: str, fault: str) -> dict[str, Any]:
+    """DP2 × PP2, rank 1 slowed between steps: its loader (``"loader"``: 5 ms per sample, 40 ms per batch) or
+    host work in a hook (``"host"``: 40 ms, not data)."""
+    import lightning.pytorch as pl
+
+    from lightning_megatron.data import SyntheticTokenDataModule
+
+    class Data(SyntheticTokenDataModule):
+        def setup(self, stage: str) -> None:
+            super().setup(stage)
+            if fault == "loader" and not isinstance(self.train_set, _SlowOnOneRank):
+                self.train_set = _SlowOnOneRank(self.train_set, 1, 0.005)
+
+    class HostWork(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if fault == "host" and trainer.global_rank == 1:
+                time.sleep(0.04)
+
+    scan = MegaScan(trace_dir, interval=1, window=1, detect_options=CPU_THRESHOLDS)
+    data = Data(vocab_size=128, seq_length=16, global_batch_size=16, num_train_samples=256)
+    cases.fit_gpt(WORLD, steps=8, callbacks=[HostWork(), scan], datamodule=data, **DP2_PP2)
+    return {"report": json.loads(scan.report.to_json())}
+
+
+def test_data_time_is_the_fetch_not_the_gap_between_steps(ranks: Any, tmp_path: Path) -> None:
+    """A slow loader is named ``data``; host work between steps (which lengthens the gap between two steps just
+    as much) is not: the data time is the loader's own fetch, not the host gap."""
+    loader = ranks.run(WORLD, data_fault_fit, str(tmp_path / "loader"), "loader", timeout=300)
+    assert suspects(loader[0]).get(1) == "data", loader[0]["report"]
+    host = ranks.run(WORLD, data_fault_fit, str(tmp_path / "host"), "host", timeout=300)
+    assert "data" not in suspects(host[0]).values(), host[0]["report"]

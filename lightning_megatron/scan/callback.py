@@ -112,6 +112,8 @@ class MegaScan(pl.Callback, StepListener):
         self._step_span: Optional[Span] = None
         self._optimizer_span: Optional[Span] = None
         self._last_batch_end: Optional[float] = None
+        self._fetch_started: Optional[float] = None
+        self._fetches: list[tuple[float, float]] = []  # the loader's fetches since the last step ended
         self._clock_group: Any = None
 
     # -- which steps -------------------------------------------------------------------------------
@@ -205,8 +207,11 @@ class MegaScan(pl.Callback, StepListener):
         self._context["step"] = step
         self._context["p2p_bytes"] = self._p2p_bytes(batch)
         self._p2p_seq = {}
-        if self._last_batch_end is not None:
-            recorder.add("data-wait", "data", TID["host"], self._last_batch_end, now, {"step": step})
+        if self._last_batch_end is not None:  # the host's time between steps: Lightning's bookkeeping and the fetch
+            recorder.add("host-gap", "host", TID["host"], self._last_batch_end, now, {"step": step})
+        for start, end in self._fetches:  # the fetches since the last step: data time is the loader's own time
+            recorder.add("data-fetch", "data", TID["host"], start, end, {"step": step})
+        self._fetches = []
         self._step_span = recorder.open(f"step {step}", "step", TID["steps"], {"step": step})
 
     def _p2p_bytes(self, batch: Any) -> Optional[int]:
@@ -245,6 +250,7 @@ class MegaScan(pl.Callback, StepListener):
                 if self.detect_every and self._windows % self.detect_every == 0:
                     self._detect_online(trainer, step)
         self._last_batch_end = now_us()
+        self._fetches = []  # what the loader fetches from here on belongs to the gap before the next step
 
     def _detect_online(self, trainer: pl.Trainer, step: int) -> None:
         """Detection over the recent steps, during the fit (every rank calls this at the same step)."""
@@ -289,6 +295,9 @@ class MegaScan(pl.Callback, StepListener):
 
     # -- StepListener: megatron-core's timers and the strategy's microbatch announcements --------
     def span_start(self, name: str) -> None:
+        if name == "data-fetch":  # between steps: kept until the next step is known to be traced
+            self._fetch_started = now_us()
+            return
         recorder = self._recorder
         if recorder is None or not recorder.active:
             return
@@ -304,6 +313,11 @@ class MegaScan(pl.Callback, StepListener):
         self._open.setdefault(name, []).append(span)
 
     def span_stop(self, name: str) -> None:
+        if name == "data-fetch":
+            if self._fetch_started is not None:
+                self._fetches.append((self._fetch_started, now_us()))
+                self._fetch_started = None
+            return
         stack = self._open.get(name)
         if stack and self._recorder is not None:
             self._recorder.close(stack.pop())

@@ -18,7 +18,9 @@ the time its peers spend on the *same* work, after taking the waiting out:
   several ops (``send-forward-recv-backward``) can only stretch a transfer (a delayed send to Q also delays the
   receive from Q in it), so where every link of a class has enough transfers with both ends alone in their
   spans, only those are compared. The sender is named, its receiver is ``peer``;
-* **data**: the ``data-wait`` per step compared with the ranks of the same pipeline stage.
+* **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
+  loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
+  ``data-wait``, which also held Lightning's per-step work and named host slowness "data").
 
 A member is flagged when its excess over the peers' healthy level is at least ``min_slowdown`` *and* its log
 ratio to that level is at least ``min_z`` standard errors (timing noise is multiplicative; few or noisy samples

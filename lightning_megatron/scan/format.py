@@ -30,7 +30,8 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
                           ``reduce_scatter`` / ``broadcast``     pp, ...), seq, bytes, async
   ``grad_sync``           ``grad-sync``                          step
   ``optimizer``           ``optimizer-step``                     step
-  ``data``                ``data-wait``                          step
+  ``data``                ``data-fetch`` (the loader's ``next``) step (of the step it precedes)
+  ``host``                ``host-gap`` (between two steps)       step; older traces: ``data`` / ``data-wait``
   ======================  =====================================  ==================================================
 
 Matching across ranks (what aggregation draws as flows and detection compares):

@@ -32,7 +32,7 @@ STYLE = {
     "collective": ("collective", "#C44E52"),
     "grad_sync": ("gradient sync", "#937860"),
     "optimizer": ("optimizer", "#8C8C8C"),
-    "data": ("data wait", "#CCB974"),
+    "data": ("data fetch", "#CCB974"),
 }
 STREAMS = {1: "compute", 2: "comm", 3: "host", 4: "layers"}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["P2P_TIMERS", "StepListener", "TimersDispatcher"]
+__all__ = ["P2P_TIMERS", "StepListener", "TimedLoader", "TimersDispatcher"]
 
 # megatron-core's pipeline timer names → (sends, receives), each as (pipeline neighbour, direction).
 P2P_TIMERS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
@@ -97,3 +97,39 @@ class TimersDispatcher:
 
     def log(self, *args: Any, **kwargs: Any) -> None:  # megatron's Timers API; nothing to print here
         return None
+
+
+class TimedLoader:
+    """A dataloader whose every ``next()`` is announced to the step's listeners as the span ``data-fetch``.
+
+    The fetch itself is what a slow data pipeline makes longer; the host gap between two steps also holds
+    Lightning's per-step bookkeeping and synchronisation, which a contended GPU lengthens. Everything else
+    (``len``, ``sampler``, ``dataset``, ...) is the wrapped loader's, so Lightning treats it as the loader."""
+
+    def __init__(self, loader: Any, listeners: list[StepListener]) -> None:
+        self.__dict__["_loader"], self.__dict__["_listeners"] = loader, listeners
+
+    def __iter__(self) -> Any:
+        iterator = iter(self._loader)
+        listeners = self._listeners
+        while True:
+            timed = list(listeners)  # listeners attached now (none: no cost but this copy)
+            for listener in timed:
+                listener.span_start("data-fetch")
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                for listener in reversed(timed):
+                    listener.span_stop("data-fetch")
+            yield item
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._loader, name, value)

@@ -44,7 +44,7 @@ from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSession
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO
 from lightning_megatron.strategy.collectives import gather_tensor, reduce_tensor
-from lightning_megatron.strategy.listeners import StepListener, TimersDispatcher
+from lightning_megatron.strategy.listeners import StepListener, TimedLoader, TimersDispatcher
 from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
 from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout
@@ -222,6 +222,10 @@ class MegatronAppStrategy(ParallelStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the sharded optimizer template exists only after setup
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # The fetch of every batch is timed for step listeners (MegaScan's data time), not the gap between steps.
+        return dataloader if isinstance(dataloader, TimedLoader) else TimedLoader(dataloader, self._step_listeners)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
