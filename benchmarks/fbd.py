@@ -8,8 +8,9 @@ The machinery is ``benchmarks/dpp.py``'s (one model, every case alternated in ro
 step time of ``strategy.forward_backward``, peak GPU memory, the loss of each case on the same batch). Cases:
 
 * PP2: ``1f1b`` (megatron-core, NCCL; the baseline), ``zb-h1`` (1F1B's order with B and W split, W run in what
-  would be waits, at most ``pipeline − rank`` microbatches of W pending), ``zb-h1`` with at most one pending (less
-  memory), and ``zb-h1`` with no W deferred (W right after its B: the split's own cost, without the reordering);
+  would be waits, pending Ws bounded by the memory rule of ``pipeline/dpp/schedule.py``: activations + pending Ws
+  within the first rank's 1F1B peak), and ``zb-h1`` with no W deferred (W right after its B: the split's own cost,
+  without the reordering);
 * ``--vpp 2`` (PP2 × VPP2): ``interleaved`` (the baseline) and ``dpp`` static with ``split_weight_grads``.
 
 Theory beside each (Qi et al., zero bubble): with forward F, input-gradient B and weight-gradient W per stage
@@ -38,13 +39,6 @@ def zb_cases(forward_s: float) -> list[dict[str, Any]]:
         dict(name="1f1b", condition="clean", schedule="1f1b", options={}, baseline="1f1b"),
         dict(name="zb-h1", condition="clean", schedule="zb-h1", options={}, baseline="1f1b"),
         dict(
-            name="zb-h1-defer1",
-            condition="clean",
-            schedule="zb-h1",
-            options={"max_deferred_weight_grads": 1},
-            baseline="1f1b",
-        ),
-        dict(
             name="zb-h1-no-defer",
             condition="clean",
             schedule="zb-h1",
@@ -68,10 +62,10 @@ def theory(microbatches: int, virtual: Any):  # noqa: ANN201
         return {
             "theory": {
                 "bubble_fraction_1f1b": round((stages - 1) / (microbatches + stages - 1), 4),
-                "zb_h1_over_1f1b_bound": round((microbatches + stages - 1) / microbatches, 4)
+                "zb_h1_over_1f1b_bound": round(3 * (microbatches + stages - 1) / (3 * microbatches + stages - 1), 4)
                 if virtual is None
                 else None,
-                "model": "1F1B (M+P-1)(F+B+W); ZB-H1 M(F+B+W) + (P-1)max(0, F+B-2W); B = W = F",
+                "model": "1F1B (M+P-1)(F+B+W); ZB-H1 M(F+B+W) + (P-1)(F+B-W); B = W = F",
             }
         }
 

@@ -36,15 +36,21 @@ def fit_recording(world_size: int, steps: int = 3, callbacks: Optional[list] = N
     """``fit_gpt`` plus every step's gradients and, for dpp, the order of the last step's tasks."""
     recorder = GradRecorder()
     order: list = []
+    sequence: list = []
+    held: list = [None]
 
     class Order(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             session = trainer.strategy._session
             order[:] = [str(t) for t in getattr(session, "last_order", [])]
+            sequence[:] = list(getattr(session, "last_sequence", []))
+            held[:] = [getattr(session, "last_peak_held", None)]
 
     result = fit_gpt(world_size, steps=steps, callbacks=[recorder, Order(), *(callbacks or [])], **strategy)
     result["grads"] = recorder.grads
     result["order"] = list(order)
+    result["sequence"] = list(sequence)  # dpp/zb-h1: tasks and weight gradients as run in the last step
+    result["peak_held"] = held[0]  # dpp/zb-h1: activations held + weight gradients pending, at most
     return result
 
 

@@ -281,6 +281,7 @@ def test_megascan_pairs_every_message_whatever_the_order(ranks: Any, tmp_path: P
 
 ZB_LAYOUTS = {
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "pp4": (4, dict(pipeline_model_parallel_size=4)),
     "tp2-pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
     "tp2-pp2-sp": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True)),
     "dp2-pp2-overlap": (
@@ -298,6 +299,14 @@ def test_zero_bubble_matches_1f1b(ranks: Any, layout: str) -> None:
     got = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", **common)
     for rank in range(world):
         assert_close(got[rank], want[rank], 1e-6, f"zb-h1 {layout} rank {rank}")
+    # the memory rule: activations held + weight gradients pending never exceed the first rank's 1F1B peak
+    pipeline = strategy["pipeline_model_parallel_size"]
+    for rank in range(world):
+        sequence = got[rank]["sequence"]
+        assert got[rank]["peak_held"] <= pipeline, f"rank {rank} held {got[rank]['peak_held']}: {sequence}"
+        weights = [s for s in sequence if s[0] == "W"]
+        assert sorted(weights) == sorted("W" + s[1:] for s in sequence if s[0] == "B"), sequence
+        assert all(sequence.index("B" + w[1:]) < sequence.index(w) for w in weights), sequence
 
 
 def test_split_weight_grads_with_virtual_stages_and_reordering(ranks: Any) -> None:

@@ -35,7 +35,8 @@ class DppOptions:
     split_weight_grads: bool = False
     """Backwards compute input gradients only; weight gradients run later, in what would be waits (zero bubble)."""
     max_deferred_weight_grads: Optional[int] = None
-    """With ``split_weight_grads``: most microbatches whose weight gradients wait (default: pipeline size − rank)."""
+    """With ``split_weight_grads``: most microbatches whose weight gradients wait. Default: no count; the memory
+    rule alone bounds them (a pending W counts as a held activation, under the first rank's 1F1B peak)."""
 
 
 def parse_options(raw: Mapping[str, Any]) -> DppOptions:

@@ -21,8 +21,18 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
 * ``split_weight_grads`` (and the ``"zb-h1"`` schedule): a backward computes only input gradients (B, sent at
   once) and leaves the weight gradients (W, :mod:`~lightning_megatron.pipeline.dpp.wgrad`) for later: W tasks
   run, oldest first, whenever the device would otherwise idle waiting for a message (on GPUs: the rank waits
-  and its GPU has drained its queue), or when more than ``max_deferred_weight_grads`` are pending; a chunk's
-  gradient sync starts after its last W.
+  and its GPU has drained its queue), when a forward needs the memory, or when more than
+  ``max_deferred_weight_grads`` are pending; a chunk's gradient sync starts after its last W.
+
+  **The memory rule of W.** What a pending W keeps (each linear layer's input and output gradient) is about as
+  large as a microbatch's activations (32 of the 34 bytes per token, hidden unit and layer that a transformer
+  layer saves in 16 bits), so a pending W counts as one held activation. Before a forward, Ws run until the
+  activations held plus the Ws pending leave room for it under the *first* pipeline rank's peak in
+  megatron-core's order (plus ``extra_activations``): every rank then stays within the memory that 1F1B needs
+  on its most loaded rank. The first rank defers nothing while it is full (its W runs just before its next
+  forward, and in the cool-down, when no forward comes, into its waits); later ranks, which 1F1B leaves with
+  room, defer up to their rank's worth of Ws, so their input gradients reach the ranks before them sooner.
+  ZB-H1 (Qi et al.) bounds the same quantity.
 
 Waits are bounded by the strategy's timeout (:class:`~lightning_megatron.transport.TransportTimeout` names what
 was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost` naming it.
@@ -30,6 +40,7 @@ was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost`
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -93,8 +104,12 @@ class DppSession:
         self._tp_ranks: list[int] = []
         self.last_order: list[Task] = []
         """The tasks of the last step in the order this rank ran them (tests, tracing)."""
+        self.last_sequence: list[str] = []
+        """The last step as run: tasks and weight gradients (``F0.3``, ``B0.3``, ``W0.3``), in order (tests)."""
         self.last_peak = 0
         """Most activations held at once in the last step."""
+        self.last_peak_held = 0
+        """Most activations held plus weight gradients pending at once in the last step (the memory rule's)."""
 
     # -- lifetime -------------------------------------------------------------------------------------
 
@@ -161,7 +176,8 @@ class DppSession:
         step.first_val_step = first_val_step
         step.collect_non_loss_data = collect_non_loss_data
         records = step.run()
-        self.last_order, self.last_peak = step.order, step.state.peak
+        self.last_order, self.last_sequence = step.order, step.sequence
+        self.last_peak, self.last_peak_held = step.state.peak, step.peak_held
         self._steps += 1
         return records
 
@@ -221,7 +237,13 @@ class _Step:
         self.pending_w: deque[tuple[Task, list[WeightGrad]]] = deque()
         self.last_event: Optional[Any] = None  # GPUs: the end of the last task queued (W included)
         limit = session.options.max_deferred_weight_grads
-        self.w_limit = self.plan.pipeline - self.plan.rank if limit is None else limit
+        self.w_limit = self.plan.microbatches * self.plan.chunks if limit is None else limit
+        first_rank = dataclasses.replace(self.plan, rank=0)
+        self.memory_cap = first_rank.peak_inflight + (0 if forward_only else session.options.extra_activations)
+        """Activations held + weight gradients pending before a forward, at most (the memory rule)."""
+        self.peak_held = 0
+        """The most activations + pending weight gradients this rank held at once in the step."""
+        self.sequence: list[str] = []
 
     # -- the loop -------------------------------------------------------------------------------------
 
@@ -364,10 +386,14 @@ class _Step:
         if self.on_gpu:
             start.record()
         if task.phase == FORWARD:
+            while self.pending_w and self.state.inflight + len(self.pending_w) >= self.memory_cap:
+                self._run_weight_grads()  # the memory rule (module docstring)
             self._forward(task)
         else:
             self._backward(task)
         self.state.complete(task)
+        self.sequence.append(str(task))
+        self.peak_held = max(self.peak_held, self.state.inflight + len(self.pending_w))
         self.order.append(task)
         if self.on_gpu:
             end = torch.cuda.Event(enable_timing=True)
@@ -442,6 +468,7 @@ class _Step:
     def _run_weight_grads(self) -> None:
         """W: the oldest deferred weight gradients (a chunk's in microbatch order, as megatron-core adds them)."""
         task, stash = self.pending_w.popleft()
+        self.sequence.append(f"W{task.chunk}.{task.microbatch}")
         timer = self.timers("weight-grad-compute") if self.timers is not None else None
         if timer is not None:
             timer.start()
