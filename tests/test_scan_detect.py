@@ -358,3 +358,66 @@ def test_gzip_trace_is_read(tmp_path: Path) -> None:
     path = next(iter(list_rank_files(tmp_path / "trace").values()))
     with gzip.open(path, "rt") as stream:
         assert stream.readline().strip() == "["
+
+
+# ----------------------------------------------------------------------------------------------- beyond proportional
+
+
+def test_signed_rank_test() -> None:
+    from lightning_megatron.scan.compare import signed_rank_p, trimmed_mean
+
+    assert signed_rank_p([0.1 * (i + 1) for i in range(10)]) == pytest.approx(1 / 1024)  # all 10 above: exact
+    assert signed_rank_p([-0.1 * (i + 1) for i in range(10)]) == pytest.approx(1.0)
+    assert signed_rank_p([]) == 1.0
+    rng = random.Random(1)
+    noise = [rng.gauss(0, 0.02) for _ in range(11)]
+    assert signed_rank_p([*noise, 2.0]) > 0.01  # one burst, however large, is one step
+    null = [signed_rank_p([rng.gauss(0, 1) for _ in range(12)]) for _ in range(2000)]
+    assert 0.03 < sum(p < 0.05 for p in null) / len(null) < 0.07  # calibrated under the null hypothesis
+    assert trimmed_mean([0.0] * 9 + [10.0]) == 0.0  # the top 10 % is cut
+    assert trimmed_mean([1.0, 3.0]) == 2.0
+
+
+PARTIAL_LAYOUTS = {"dp2": dict(dp=2, pp=1, tp=1), "tp2-pp2": dict(dp=1, pp=2, tp=2), "dp4": dict(dp=4, pp=1, tp=1)}
+
+
+@pytest.mark.parametrize("layout", list(PARTIAL_LAYOUTS))
+def test_partial_slowdown_is_found_over_steps(tmp_path: Path, layout: str) -> None:
+    """40 % of one rank's compute spans 50 % longer (about +20 % per step): the per-op medians barely move, so
+    the per-step rule is the one that names it."""
+    report, _ = run(tmp_path, steps=12, slow_ranks={1: 1.5}, slow_fraction=0.4, **PARTIAL_LAYOUTS[layout])
+    suspect = only(report, 1, "compute")
+    assert suspect.evidence["rule"].startswith("per-step"), suspect.evidence
+    assert 0.12 < suspect.slowdown < 0.3
+    assert suspect.evidence["peers_wait_ms"] > 0 or layout == "tp2-pp2"  # DP peers waited in grad sync
+
+
+def test_slowdown_in_half_the_steps_is_found_and_clean_long_runs_are_quiet(tmp_path: Path) -> None:
+    report, _ = run(tmp_path, "bursty", steps=40, dp=2, pp=1, tp=1, slow_ranks={0: 1.5}, slow_step_fraction=0.5)
+    assert only(report, 0, "compute").slowdown > 0.1
+    for seed in range(3):
+        clean, _ = run(tmp_path, f"clean{seed}", seed=seed, steps=40, dp=4, pp=2, tp=2, jitter=0.05)
+        assert clean.suspects == [], clean.table()
+
+
+def test_slow_host_between_steps(tmp_path: Path) -> None:
+    """The host's gap between steps 10x longer on one rank (500 µs of a 28 ms step): a host suspect, not data;
+    3x (100 µs, 0.4 % of the step) does not slow the job enough to report."""
+    report, _ = run(tmp_path, "slow", steps=12, dp=2, pp=1, tp=1, slow_host={1: 10.0})
+    assert only(report, 1, "host").impact_ms > 0.3
+    quiet, _ = run(tmp_path, "quiet", steps=12, dp=2, pp=1, tp=1, slow_host={1: 3.0})
+    assert quiet.suspects == [], quiet.table()
+
+
+@pytest.mark.parametrize("slow", [None, 1, 2])
+def test_pipeline_only_compares_layer_parts_across_stages(tmp_path: Path, slow: Any) -> None:
+    """PP4 alone: no stage has a peer, but every stage runs the same transformer layer parts."""
+    report, _ = run(
+        tmp_path, steps=6, dp=1, pp=4, tp=1, layers_per_stage=2, slow_ranks={slow: 1.2} if slow is not None else {}
+    )
+    if slow is None:
+        assert report.suspects == [], report.table()
+        return
+    suspect = only(report, slow, "compute")
+    assert suspect.evidence["rule"] == "layer parts across pipeline stages"
+    assert abs(suspect.slowdown - 0.2) < 0.05

@@ -18,9 +18,22 @@ the time its peers spend on the *same* work, after taking the waiting out:
   several ops (``send-forward-recv-backward``) can only stretch a transfer (a delayed send to Q also delays the
   receive from Q in it), so where every link of a class has enough transfers with both ends alone in their
   spans, only those are compared. The sender is named, its receiver is ``peer``;
+* **compute, per step**: the same net compute summed per step (steps with identical work: the same number of
+  spans), each rank against each peer with Wilcoxon's signed-rank test over the steps (``compare``), then the
+  10 %-trimmed mean excess over the healthy peers. Per-op medians cannot see a slowdown that hits fewer than
+  about half of the spans (bursty contention: 40 % of the spans 50 % longer is 20 % per step); per-step sums
+  do, and the paired rank test ignores a one-off burst. A rank is named when it is slower than at least half
+  of its peers (p < 0.01 over its peers, Bonferroni) by ``min_slowdown`` and ``min_impact``;
+  ``evidence["peers_wait_ms"]`` says how much longer its peers waited in collectives and gradient sync per
+  step (who waited for whom, without clocks);
+* **compute across stages**: where a stage has a single rank (pipeline parallelism alone) and the trace has
+  layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and backward) are
+  the same work on every stage: those ranks are compared on them;
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
-  ``data-wait``, which also held Lightning's per-step work and named host slowness "data").
+  ``data-wait``, which also held Lightning's per-step work and named host slowness "data");
+* **host**: the same rule on the host's gaps between steps (``host-gap``: Lightning's per-step work, logging,
+  callbacks): a rank whose host is slow (CPU contention) ends them late.
 
 A member is flagged when its excess over the peers' healthy level is at least ``min_slowdown`` *and* its log
 ratio to that level is at least ``min_z`` standard errors (timing noise is multiplicative; few or noisy samples
@@ -36,8 +49,8 @@ Collectives give independent evidence for compute suspects: a rank that is last 
 tensor-parallel group, imposing a wait about equal to its compute excess, is the slow one.
 
 Detection cannot blame a rank when its whole peer group is slow (all ranks of a stage), nor a stage whose
-groups have a single rank (no peers); a slowdown that only hits a minority of microbatches or steps is hidden by
-the medians (on purpose: that is how one-off hiccups are ignored).
+groups have a single rank unless the trace has layer spans; a slowdown in fewer than about a third of the steps
+is taken for hiccups (on purpose), and the per-step rule needs at least ``_MIN_STEPS`` traced steps.
 """
 
 from __future__ import annotations
@@ -60,11 +73,14 @@ from lightning_megatron.scan.compare import (
     lower_half_median,
     mad_sigma,
     pooled_sigma,
+    signed_rank_p,
+    trimmed_mean,
 )
 from lightning_megatron.scan.measure import (
     DataWaits,
     Link,
     RankTrace,
+    StepTotal,
     Transfer,
     clock_sigma,
     collective_arrivals,
@@ -73,6 +89,7 @@ from lightning_megatron.scan.measure import (
     link_transfers,
     net_compute,
     read_traces,
+    step_totals,
     summarize,
 )
 from lightning_megatron.scan.report import KINDS, DetectionReport, RankSummary, Suspect, log_to
@@ -98,6 +115,8 @@ __all__ = [
 # contention: a rank's op takes either 3 ms or 12 ms), where a median can move without a consistent slowdown.
 _MIN_SUPERIORITY = 0.8
 _MIN_CLEAN = 3  # transfers per link with both ends alone in their spans, to compare only those (see links)
+_MIN_STEPS = 8  # steps of identical work for the per-step rule (its smallest p-value is then 1/256)
+_STEP_ALPHA = 0.01  # per-step rule: one rank against all its peers (Bonferroni over them)
 
 
 def detect(
@@ -143,9 +162,12 @@ def detect(
         min_impact_us,
         notes,
     )
+    suspects = _step_suspects(traces, per_rank, step_totals(traces), suspects, min_slowdown, min_impact_us)
+    suspects += _cross_stage_suspects(traces, per_rank, layer_samples, min_slowdown, min_z, min_impact_us)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us)
     suspects += _data_suspects(traces, per_rank, data_waits(traces), min_slowdown, min_z, min_impact_us)
+    suspects += _data_suspects(traces, per_rank, data_waits(traces, "host"), min_slowdown, min_z, min_impact_us, "host")
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
 
     for note in notes:
@@ -191,8 +213,11 @@ def _compute_suspects(
         source = compute if any(compute[r] for r in ranks) else layers
         members = [r for r in ranks if source[r]]
         if len(members) < 2:
-            if members:
-                notes.append(f"stage pp{pp}: a single rank with compute spans, no peers to compare with")
+            if members and not layers[members[0]]:
+                notes.append(
+                    f"stage pp{pp}: a single rank with compute spans, no peers to compare with (trace with "
+                    "granularity='layer' to compare layer parts across stages)"
+                )
             continue
         floor = max(pooled_sigma(values for r in members for values in source[r].values()), everywhere)
         comparisons = compare_with_peers({r: levels_of(source[r], floor) for r in members})
@@ -222,6 +247,107 @@ def _compute_suspects(
             if rank in layer_levels and len(layer_levels) >= 2:
                 evidence["slowest_layer_parts"] = _slowest_parts(rank, layer_levels)
             suspects.append(_suspect(traces[rank], "compute", c.excess, evidence))
+    return suspects
+
+
+def _step_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    totals: dict[int, dict[int, StepTotal]],
+    suspects: list[Suspect],
+    min_slowdown: float,
+    min_impact_us: float,
+) -> list[Suspect]:
+    """The per-step rule (module docstring). Adds its evidence to a compute suspect the per-op rule already
+    named (``evidence["per_step"]``), or names a new one; returns all compute suspects."""
+    by_rank = {s.rank: s for s in suspects}
+    for _pp, ranks in sorted(_peer_groups(traces).items()):
+        members = [r for r in ranks if totals.get(r)]
+        if len(members) < 2:
+            continue
+        steps = sorted(set.intersection(*(set(totals[r]) for r in members)))
+        steps = [s for s in steps if len({totals[r][s].spans for r in members}) == 1 and totals[members[0]][s].spans]
+        if len(steps) < _MIN_STEPS:
+            continue
+        compute = {r: [totals[r][s].compute_us for s in steps] for r in members}
+        if any(v <= 0 for values in compute.values() for v in values):
+            continue
+        for rank in members:
+            peers = [q for q in members if q != rank]
+            p_values = {q: signed_rank_p([math.log(a / b) for a, b in zip(compute[rank], compute[q])]) for q in peers}
+            slower_than = [q for q, p in p_values.items() if p < _STEP_ALPHA / len(peers)]
+            if not slower_than or len(slower_than) < len(peers) / 2:
+                continue
+            baseline = [lower_half_median([compute[q][i] for q in peers]) for i in range(len(steps))]
+            excess = trimmed_mean([a / b - 1.0 for a, b in zip(compute[rank], baseline)])
+            impact_us = trimmed_mean([a - b for a, b in zip(compute[rank], baseline)])
+            if excess < min_slowdown or impact_us < min_impact_us:
+                continue
+            waits = {r: [totals[r][s].wait_us for s in steps] for r in members}
+            peers_wait = [statistics.fmean(waits[q][i] for q in peers) - waits[rank][i] for i in range(len(steps))]
+            evidence: dict[str, Any] = {
+                "rule": "per-step net compute, signed-rank test over steps",
+                "steps": len(steps),
+                "p_value": max(p_values[q] for q in slower_than),
+                "slower_than": slower_than,
+                "slower_steps_fraction": sum(a > b for a, b in zip(compute[rank], baseline)) / len(steps),
+                "mean_excess": round(excess, 4),
+                "impact_ms": impact_us / 1000,
+                "peers_wait_ms": statistics.median(peers_wait) / 1000,
+            }
+            known = by_rank.get(rank)
+            if known is not None and known.kind == "compute":
+                known.evidence["per_step"] = evidence
+                continue
+            evidence.update(step_ms=per_rank[rank].step_ms, compute_ms=per_rank[rank].compute_ms, peers=len(peers))
+            by_rank[rank] = _suspect(traces[rank], "compute", excess, evidence)
+            suspects.append(by_rank[rank])
+    return suspects
+
+
+def _cross_stage_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    layers: dict[int, dict[str, list[float]]],
+    min_slowdown: float,
+    min_z: float,
+    min_impact_us: float,
+) -> list[Suspect]:
+    """Ranks alone in their stage, compared with each other on transformer layer parts (the same work on every
+    stage: ``forward attention``, ``backward mlp``, ...), where the trace has layer spans."""
+    alone = [ranks[0] for ranks in _peer_groups(traces).values() if len(ranks) == 1 and layers.get(ranks[0])]
+    if len(alone) < 2:
+        return []
+    samples: dict[int, dict[str, list[float]]] = {}
+    for rank in alone:
+        merged: dict[str, list[float]] = defaultdict(list)
+        for key, values in layers[rank].items():
+            direction, _layer, _number, *part = key.split(" ")
+            merged[f"{direction} {' '.join(part)}"] += values
+        samples[rank] = dict(merged)
+    floor = pooled_sigma(values for per_part in samples.values() for values in per_part.values())
+    suspects = []
+    for c in compare_with_peers({r: levels_of(samples[r], floor) for r in alone}):
+        if not _flagged(c, min_slowdown, min_z):
+            continue
+        summary = per_rank[c.member]
+        compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
+        impact_us = compute_us * c.excess / (1 + c.excess)
+        if impact_us < min_impact_us:
+            continue
+        evidence = {
+            "rule": "layer parts across pipeline stages",
+            "median_ms": c.median / 1000,
+            "baseline_ms": c.baseline / 1000,
+            "z": round(c.z, 2),
+            "superiority": round(c.superiority, 3),
+            "samples": c.n,
+            "peers": len(alone) - 1,
+            "impact_ms": impact_us / 1000,
+            "step_ms": summary.step_ms,
+            "compute_ms": summary.compute_ms,
+        }
+        suspects.append(_suspect(traces[c.member], "compute", c.excess, evidence))
     return suspects
 
 
@@ -333,8 +459,9 @@ def _data_suspects(
     min_slowdown: float,
     min_z: float,
     min_impact_us: float,
+    kind: str = "data",
 ) -> list[Suspect]:
-    """Compare the data-wait per step with the ranks of the same pipeline stage.
+    """Compare the data-wait (``kind="host"``: the host gap) per step with the ranks of the same pipeline stage.
 
     A longer data-wait is only blamed on data loading where it also made the rank *late*: slow loading ends
     the wait after the peers' waits end (on the aligned clock). A wait that began earlier than the peers' and
@@ -374,7 +501,7 @@ def _data_suspects(
                 "impact_ms": impact_us / 1000,
                 "step_ms": per_rank[rank].step_ms,
             }
-            suspects.append(_suspect(traces[rank], "data", c.excess, evidence))
+            suspects.append(_suspect(traces[rank], kind, c.excess, evidence))
     return suspects
 
 

@@ -26,6 +26,10 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   rests on two clocks, and whether both ends were alone in their spans (nothing else can have stretched it);
 * **data waits** (``data_waits``): the time in ``data`` spans per step, and when the step's last one ended on
   the aligned clock;
+* **step totals** (``step_totals``): per rank and step, the net compute of the step (the same subtraction), how
+  many compute spans it summed (identical work has identical counts), and the time the rank spent waiting for
+  others (the union of its blocking communication and ``grad-sync`` spans): the per-step sums that a slowdown of
+  part of the spans still moves, and who waited for whom without any clock alignment;
 * ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
 """
 
@@ -56,6 +60,8 @@ __all__ = [
     "link_transfers",
     "net_compute",
     "read_traces",
+    "StepTotal",
+    "step_totals",
     "summarize",
     "transfer_us",
 ]
@@ -223,6 +229,14 @@ def _blocking(span: dict[str, Any]) -> bool:
     return cat in ("p2p", "data")
 
 
+def _net_compute_spans(trace: RankTrace) -> Iterable[tuple[dict[str, Any], float]]:
+    """Each compute or layer span of the rank with its net time (µs): its length less its own waits inside."""
+    waits = _merge((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if _blocking(s))
+    for s in trace.spans:
+        if s["cat"] in ("compute", "compute.layer"):
+            yield s, max(s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], waits), 0.0)
+
+
 def net_compute(
     traces: dict[int, RankTrace], per_rank: dict[int, RankSummary]
 ) -> tuple[dict[int, dict[str, list[float]]], dict[int, dict[str, list[float]]]]:
@@ -230,16 +244,12 @@ def net_compute(
     compute: dict[int, dict[str, list[float]]] = {}
     layers: dict[int, dict[str, list[float]]] = {}
     for rank, trace in traces.items():
-        waits = _merge((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if _blocking(s))
         by_op: dict[str, list[float]] = defaultdict(list)
         by_layer: dict[str, list[float]] = defaultdict(list)
         op_per_step: dict[int, float] = defaultdict(float)
         layer_per_step: dict[int, float] = defaultdict(float)
-        for s in trace.spans:
-            if s["cat"] not in ("compute", "compute.layer"):
-                continue
+        for s, net in _net_compute_spans(trace):
             args = s.get("args") or {}
-            net = max(s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], waits), 0.0)
             if s["cat"] == "compute":
                 by_op[f"{s['name']} chunk {args.get('chunk', 0)}"].append(net)
                 op_per_step[int(args.get("step", -1))] += net
@@ -253,6 +263,38 @@ def net_compute(
         if per_step:
             per_rank[rank].compute_ms = statistics.median(per_step.values()) / 1000
     return compute, layers
+
+
+@dataclass
+class StepTotal:
+    """One rank's step, summed: net compute (µs) and how many compute spans it holds, and its waits (µs)."""
+
+    compute_us: float = 0.0
+    spans: int = 0
+    wait_us: float = 0.0
+
+
+def step_totals(traces: dict[int, RankTrace]) -> dict[int, dict[int, StepTotal]]:
+    """Per rank, per step: ``StepTotal``. Net compute sums ``compute`` spans, or layer spans where the trace
+    has no ``compute`` spans (the two nest; summing both would count the time twice)."""
+    totals: dict[int, dict[int, StepTotal]] = {}
+    for rank, trace in traces.items():
+        has_ops = any(s["cat"] == "compute" for s in trace.spans)
+        per_step: dict[int, StepTotal] = defaultdict(StepTotal)
+        for s, net in _net_compute_spans(trace):
+            if (s["cat"] == "compute") == has_ops and (step := _step_of(s)) is not None:
+                per_step[step].compute_us += net
+                per_step[step].spans += 1
+        by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for s in trace.spans:
+            if (_blocking(s) and s["cat"] != "data") or s["cat"] == "grad_sync":
+                if (step := _step_of(s)) is not None:
+                    by_step[step].append((s["ts"], s["ts"] + s["dur"]))
+        for step, intervals in by_step.items():
+            starts, ends = _merge(intervals)
+            per_step[step].wait_us = sum(e - b for b, e in zip(starts, ends))
+        totals[rank] = dict(per_step)
+    return totals
 
 
 def collective_arrivals(traces: dict[int, RankTrace], per_rank: dict[int, RankSummary]) -> dict[int, dict[str, Any]]:
@@ -390,15 +432,18 @@ class DataWaits:
     ends: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
-def data_waits(traces: dict[int, RankTrace]) -> DataWaits:
+def data_waits(traces: dict[int, RankTrace], cat: str = "data") -> DataWaits:
+    """``cat="data"``: the loader's fetches; ``cat="host"``: the host's gaps between steps (same shape)."""
     waits = DataWaits()
     for rank, trace in traces.items():
         per_step: dict[int, float] = defaultdict(float)
         end: dict[int, float] = {}
+        # a host gap holds the loader's fetches: those are data time, not the host's
+        fetches = _merge((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if cat == "host" and s["cat"] == "data")
         for s in trace.spans:
-            if s["cat"] == "data":
+            if s["cat"] == cat:
                 step = int(_step_of(s))  # type: ignore[arg-type]
-                per_step[step] += s["dur"]
+                per_step[step] += s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], fetches)
                 end[step] = max(end.get(step, -math.inf), s["ts"] + s["dur"] + trace.offset_us)
         if per_step:
             waits.samples[rank] = list(per_step.values())

@@ -16,7 +16,7 @@ from typing import Any, Optional, Protocol, Union
 
 __all__ = ["KINDS", "DetectionReport", "RankSummary", "Suspect", "log_to"]
 
-KINDS = ("compute", "link", "data")  # what a Suspect can be
+KINDS = ("compute", "link", "data", "host")  # what a Suspect can be
 
 
 @dataclass

@@ -19,7 +19,9 @@ The simulation, per step:
 * after the last backward each rank all-reduces its gradients over its DP group (``grad-sync`` span and the
   ``collective`` inside it), then runs ``optimizer-step``; a ``step N`` span covers the whole step.
 
-A slow rank's compute (forward, backward, optimizer) is ``slow_ranks[rank]`` times longer. Rank layout is
+A slow rank's compute (forward, backward, optimizer) is ``slow_ranks[rank]`` times longer: in every span by
+default; in a random ``slow_fraction`` of its compute spans (partial: contention that hits some kernels); or
+only in a random ``slow_step_fraction`` of the steps (bursty: another job that comes and goes). Rank layout is
 megatron-core's default order ``tp-cp-ep-dp-pp``: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``.
 
     python -m lightning_megatron.scan.synthetic /tmp/trace --dp 64 --pp 4 --tp 4 --slow-rank 37:1.5
@@ -100,8 +102,11 @@ class _Simulation:
         forward_us: float,
     ) -> None:
         self.lines: list[list[str]] = [[] for _ in range(world)]
-        self.offsets, self.compute, self.slow_links = offsets, compute, slow_links
+        self.offsets, self.slow, self.slow_links = offsets, compute, slow_links
+        self.compute = list(compute)  # this step's factors (``begin_step``)
         self.rng, self.jitter, self.forward_us = rng, jitter, forward_us
+        self.slow_fraction = 1.0
+        self.layers_per_stage = 0
         self.now: list[float] = [START_US] * world  # true time at which each rank is free
         self.group_seq: dict[tuple[int, ...], int] = {}
         self.counts = {"p2p_pairs": 0, "collectives": 0, "collective_flows": 0}
@@ -112,6 +117,33 @@ class _Simulation:
             f'{{"name":"{name}","cat":"{cat}","ph":"X","pid":{rank},"tid":{tid},"ts":{ts:.3f},'
             f'"dur":{max(end - start, 0.0):.3f},"args":{json.dumps(args, separators=(",", ":"))}}}'
         )
+
+    def begin_step(self, slow_now: bool) -> None:
+        """The slow ranks' factors in this step: all of them, or none (a bursty fault's quiet step)."""
+        self.compute = list(self.slow) if slow_now else [1.0] * len(self.slow)
+
+    def factor(self, rank: int) -> float:
+        """The compute factor of one span of ``rank``: its slowdown, or with ``slow_fraction`` < 1 only sometimes."""
+        factor = self.compute[rank]
+        if factor != 1.0 and self.slow_fraction < 1.0 and self.rng.random() >= self.slow_fraction:
+            return 1.0
+        return factor
+
+    def layer_spans(self, rank: int, stage: int, direction: str, start: float, end: float, step: int) -> None:
+        """``layers_per_stage`` > 0: the span's time in equal attention and MLP parts of the stage's layers (in
+        backward order for a backward), as ``granularity="layer"`` writes them."""
+        count = self.layers_per_stage
+        if not count:
+            return
+        numbers = range(stage * count + 1, (stage + 1) * count + 1)
+        parts = [(n, p) for n in numbers for p in ("attention", "mlp")]
+        if direction == "backward":
+            parts.reverse()
+        width = (end - start) / len(parts)
+        for i, (number, part) in enumerate(parts):
+            args = {"step": step, "layer": number, "part": part, "direction": direction}
+            t0 = start + i * width
+            self.x(rank, f"layer {number} {part}", "compute.layer", TID["compute"], t0, t0 + width, args)
 
     def jit(self, duration: float) -> float:
         return duration * max(0.5, 1.0 + self.jitter * self.rng.gauss(0.0, 1.0)) if self.jitter else duration
@@ -183,8 +215,9 @@ class _Simulation:
                     else:  # F or B: two halves of compute, each closed by a TP all_reduce (as attention and MLP are)
                         base = self.forward_us * (1.0 if op == "F" else 2.0)
                         starts = [now[r] for r in lanes[s]]
+                        factors = [self.factor(r) for r in lanes[s]]  # a partial slowdown hits whole spans
                         for _half in range(2):
-                            arrivals = [now[r] + self.jit(base / 2.0) * self.compute[r] for r in lanes[s]]
+                            arrivals = [now[r] + self.jit(base / 2.0) * f for r, f in zip(lanes[s], factors)]
                             if tp > 1:
                                 arrivals = self.collective(
                                     lanes[s], arrivals, ACTIVATION_BYTES, tp_transfer, "tp", step
@@ -195,6 +228,7 @@ class _Simulation:
                         args = {"step": step, "microbatch": mb, "chunk": 0}
                         for r, start in zip(lanes[s], starts):
                             self.x(r, name, "compute", TID["compute"], start, now[r], args)
+                            self.layer_spans(r, s, name, start, now[r], step)
                     pointer[s] += 1
                     progressed = True
             if not progressed:
@@ -212,6 +246,10 @@ def generate_traces(
     slow_ranks: Optional[dict[int, float]] = None,
     slow_links: Optional[dict[tuple[int, int], float]] = None,
     slow_data: Optional[dict[int, float]] = None,
+    slow_host: Optional[dict[int, float]] = None,
+    slow_fraction: float = 1.0,
+    slow_step_fraction: float = 1.0,
+    layers_per_stage: int = 0,
     clock_offsets_us: Optional[dict[int, float]] = None,
     seed: int = 0,
     gzipped: bool = False,
@@ -223,8 +261,10 @@ def generate_traces(
 ) -> dict[str, Any]:
     """Simulate a dp × pp × tp job for ``steps`` steps and write one rank file per rank into ``out_dir``.
 
-    ``slow_ranks`` {rank: compute factor}, ``slow_links`` {(src, dst): p2p transfer factor}, ``slow_data``
-    {rank: data-wait factor}; ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
+    ``slow_ranks`` {rank: compute factor} (``slow_fraction``: of the compute spans hit, at random;
+    ``slow_step_fraction``: of the steps hit, at random), ``slow_links`` {(src, dst): p2p transfer factor},
+    ``layers_per_stage`` > 0 adds layer spans (``granularity="layer"``);
+    ``slow_data`` {rank: data-wait factor}, ``slow_host`` {rank: factor of the host's gap between steps}; ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
     given get 0); by default every rank but 0 gets a random offset within ±50 ms. ``truncate_ranks`` are cut in
     the middle of a line (as by a crash); ``missing_ranks`` are not written at all.
 
@@ -240,6 +280,8 @@ def generate_traces(
     world = dp * pp * tp
     rng = random.Random(seed)
     slow_ranks, slow_links, slow_data = dict(slow_ranks or {}), dict(slow_links or {}), dict(slow_data or {})
+    slow_host = dict(slow_host or {})
+    host_rng = random.Random(seed + 7919)  # its own stream: the other draws stay those of traces without host gaps
     if clock_offsets_us is None:
         raw = {r: (0.0 if r == 0 else rng.uniform(-DEFAULT_MAX_OFFSET_US, DEFAULT_MAX_OFFSET_US)) for r in range(world)}
     else:
@@ -248,12 +290,21 @@ def generate_traces(
     truth_offsets = {r: raw[r] - raw[0] for r in range(world)}
     uncertainty = {r: (0.0 if r == 0 else rng.uniform(20.0, 80.0)) for r in range(world)}
     sim = _Simulation(world, raw, [slow_ranks.get(r, 1.0) for r in range(world)], slow_links, rng, jitter, forward_us)
+    sim.slow_fraction, sim.layers_per_stage = slow_fraction, layers_per_stage
     now = sim.now
     dp_transfer = 2.0 * (dp - 1) / dp * GRAD_BYTES / DP_BANDWIDTH
     schedules = [_schedule(s, pp, microbatches) for s in range(pp)]
     lanes = [[[rank_of(d, s, t, dp, tp) for t in range(tp)] for s in range(pp)] for d in range(dp)]
 
     for step in range(steps):
+        if slow_step_fraction < 1.0:
+            sim.begin_step(rng.random() < slow_step_fraction)
+        for rank in range(world):  # the host's work between two steps (Lightning's hooks, logging)
+            if step > 0:
+                gap = STEP_GAP_US * max(0.5, 1.0 + jitter * host_rng.gauss(0.0, 1.0))
+                gap_end = now[rank] + gap * slow_host.get(rank, 1.0)
+                sim.x(rank, "host-gap", "host", TID["host"], now[rank], gap_end, {"step": step})
+                now[rank] = gap_end
         step_start = list(now)
         for rank in range(world):
             end = now[rank] + sim.jit(DATA_WAIT_US) * slow_data.get(rank, 1.0)
@@ -271,10 +322,10 @@ def generate_traces(
                     ends = [a + 10.0 for a in arrivals]
                 for rank, arrival, end in zip(members, arrivals, ends):
                     sim.x(rank, "grad-sync", "grad_sync", TID["host"], arrival, end, {"step": step})
-                    opt_end = end + sim.jit(OPTIMIZER_FACTOR * forward_us) * sim.compute[rank]
+                    opt_end = end + sim.jit(OPTIMIZER_FACTOR * forward_us) * sim.factor(rank)
                     sim.x(rank, "optimizer-step", "optimizer", TID["host"], end, opt_end, {"step": step})
                     sim.x(rank, f"step {step}", "step", TID["steps"], step_start[rank], opt_end, {"step": step})
-                    now[rank] = opt_end + STEP_GAP_US
+                    now[rank] = opt_end
 
     # Files: metadata and clock records first (written at fit start by the real callback), then the events.
     files: dict[int, str] = {}
@@ -291,7 +342,7 @@ def generate_traces(
             "host": host,
             "device": "synthetic",
             "backend": "synthetic",
-            "granularity": "stage",
+            "granularity": "layer" if layers_per_stage else "stage",
             "pipeline_size": pp,
             "tensor_size": tp,
             "data_parallel_size": dp,
@@ -327,6 +378,9 @@ def generate_traces(
         "microbatches": microbatches,
         "ranks": {r: dict(zip(("dp", "pp", "tp"), coords_of(r, dp, tp))) for r in range(world)},
         "slow_ranks": slow_ranks,
+        "slow_host": slow_host,
+        "slow_fraction": slow_fraction,
+        "slow_step_fraction": slow_step_fraction,
         "slow_links": slow_links,
         "slow_data": slow_data,
         "clock_offsets_us": truth_offsets,
