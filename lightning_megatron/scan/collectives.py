@@ -4,7 +4,13 @@ torch.distributed offers no hook on collectives, and megatron-core calls them fr
 gradient buffers. So for the traced steps only, this module swaps the collective entry points for timed
 wrappers and puts the originals back afterwards: ``torch.distributed``'s functions, plus the aliases that
 megatron-core 0.16 binds at import time (``dist_all_gather_func`` / ``dist_reduce_scatter_func`` in
-``tensor_parallel.mappings`` and ``distributed.param_and_grad_buffer``). Point-to-point operations are not
+``tensor_parallel.mappings``, ``tensor_parallel.layers`` (sequence parallelism's gathers and scatters inside the
+linear layers' backward) and ``distributed.param_and_grad_buffer``).
+
+An asynchronous collective (``async_op=True``) gets two spans: the collective itself, from its issue to the
+``wait()`` that ends it (overlapped with compute, so not a wait), and ``<kind> wait`` (cat
+``collective.wait``), the time the rank actually blocked in ``wait()``: that part is waiting for peers and is
+taken out of net compute like a blocking collective. Point-to-point operations are not
 wrapped (``P2POp`` refuses wrapped functions); the schedules' own timers cover them. Untraced steps run
 the original functions, untouched.
 """
@@ -36,6 +42,8 @@ _TORCH_ENTRY_POINTS = [
 _MEGATRON_ALIASES = [
     ("megatron.core.tensor_parallel.mappings", "dist_all_gather_func"),
     ("megatron.core.tensor_parallel.mappings", "dist_reduce_scatter_func"),
+    ("megatron.core.tensor_parallel.layers", "dist_all_gather_func"),
+    ("megatron.core.tensor_parallel.layers", "dist_reduce_scatter_func"),
     ("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func"),
     ("megatron.core.distributed.param_and_grad_buffer", "dist_reduce_scatter_func"),
 ]
@@ -66,16 +74,18 @@ def _group_names() -> dict[tuple[int, ...], str]:
 
 
 class _TracedWork:
-    """An async collective's work handle whose ``wait`` also closes the span."""
+    """An async collective's work handle whose ``wait`` is traced (``on_wait``) and closes the span (``on_done``)."""
 
-    def __init__(self, work: Any, on_done: Callable[[], None]) -> None:
-        self._work, self._on_done, self._closed = work, on_done, False
+    def __init__(self, work: Any, on_wait: Callable[[], Any], on_done: Callable[[Any], None]) -> None:
+        self._work, self._on_wait, self._on_done, self._closed = work, on_wait, on_done, False
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            return self._work.wait(*args, **kwargs)
+        waiting = self._on_wait()
         result = self._work.wait(*args, **kwargs)
-        if not self._closed:
-            self._closed = True
-            self._on_done()
+        self._closed = True
+        self._on_done(waiting)
         return result
 
     def __getattr__(self, name: str) -> Any:
@@ -121,7 +131,16 @@ class CollectiveTracer:
             span = self.recorder.open(kind, "collective", TID["communication"], args_out)
             work = fn(*args, **kwargs)
             if args_out["async"] and work is not None:
-                return _TracedWork(work, lambda: self.recorder.close(span))
+                wait_args = {**args_out, "async": False}
+                name = f"{kind} wait"
+
+                def done(waiting: Any) -> None:
+                    self.recorder.close(waiting)
+                    self.recorder.close(span)
+
+                return _TracedWork(
+                    work, lambda: self.recorder.open(name, "collective.wait", TID["communication"], wait_args), done
+                )
             self.recorder.close(span)
             return work
 

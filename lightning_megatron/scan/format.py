@@ -28,6 +28,8 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
                           ``forward-send-backward-recv``         recvs: [{peer, bytes, seq, direction}]
   ``collective``          ``all_reduce`` / ``all_gather`` /      step, group (ranks, sorted), group_name (tp, dp,
                           ``reduce_scatter`` / ``broadcast``     pp, ...), seq, bytes, async
+  ``collective.wait``     ``all_gather wait`` / ...              as ``collective``: the time blocked in an
+                                                                 async collective's ``wait()``
   ``grad_sync``           ``grad-sync``                          step
   ``optimizer``           ``optimizer-step``                     step
   ``data``                ``data-fetch`` (the loader's ``next``) step (of the step it precedes)

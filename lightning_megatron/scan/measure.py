@@ -226,7 +226,7 @@ def _blocking(span: dict[str, Any]) -> bool:
     cat = span["cat"]
     if cat == "collective":
         return not (span.get("args") or {}).get("async", False)
-    return cat in ("p2p", "data")
+    return cat in ("p2p", "data", "collective.wait")  # collective.wait: blocked in an async collective's wait()
 
 
 def _net_compute_spans(trace: RankTrace) -> Iterable[tuple[dict[str, Any], float]]:
