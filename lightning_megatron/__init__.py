@@ -1,17 +1,52 @@
 """lightning-megatron: megatron-core parallelism under PyTorch Lightning.
 
-Importing the package registers ``MegatronAppStrategy`` in Lightning's strategy registry as
-``"megatron"`` (so ``Trainer(strategy="megatron")`` and ``strategy: megatron`` in YAML work) and
-megatron-core's pipeline schedules in ``lightning_megatron.pipeline``.
+Importing the package is cheap: it loads neither torch, Lightning nor megatron-core, so tools that only read
+MegaScan traces (``lightning_megatron.scan.detect``, the TensorBoard plugin) start in milliseconds. The public
+names ``MegatronAppStrategy`` and ``MegatronPrecision`` are loaded on first access (PEP 562 ``__getattr__``).
+
+``MegatronAppStrategy`` is registered in Lightning's strategy registry as ``"megatron"`` (so
+``Trainer(strategy="megatron")`` and ``strategy: megatron`` in YAML work) by ``lightning_megatron.strategy``,
+i.e. whenever the strategy is imported: by the CLI, by ``from lightning_megatron import MegatronAppStrategy``,
+and by this import itself when ``lightning.pytorch`` is already loaded (``import lightning.pytorch as pl;
+import lightning_megatron; pl.Trainer(strategy="megatron")`` keeps working).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.strategy import MegatronAppStrategy, MegatronPrecision
+
+if TYPE_CHECKING:
+    from lightning_megatron.strategy import MegatronAppStrategy, MegatronPrecision
 
 __version__ = "0.1.0"
 
-MegatronAppStrategy.register_strategies(StrategyRegistry)
-
 __all__ = ["MegatronAppStrategy", "MegatronConfigError", "MegatronPrecision", "__version__"]
+
+# public name → the module that defines it, imported on first access
+_LAZY = {"MegatronAppStrategy": "lightning_megatron.strategy", "MegatronPrecision": "lightning_megatron.strategy"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later accesses skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if "lightning.pytorch" in sys.modules:
+    # Lightning is loaded, so the strategy costs little more; register its name now (override=True: a reload
+    # or a second registration is harmless) for code that names "megatron" without importing the strategy.
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_megatron.strategy import MegatronAppStrategy, MegatronPrecision
+
+    MegatronAppStrategy.register_strategies(StrategyRegistry)

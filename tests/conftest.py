@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from distributed import WorkerPool
 
-import lightning_megatron  # noqa: F401  (import before forking ranks)
+import lightning_megatron.strategy  # noqa: F401  (import before forking ranks: torch, Lightning, megatron-core)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ optimizer settings are translated), so a regression shows up here in seconds ins
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from collections import OrderedDict, namedtuple
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -667,7 +669,9 @@ def test_sequence_parallel_norm_rejects_unknown_normalization() -> None:
 
 
 def test_import_registers_megatron_strategy() -> None:
-    """``Trainer(strategy="megatron")`` and ``strategy: megatron`` in YAML rely on this import side effect."""
+    """``Trainer(strategy="megatron")`` and ``strategy: megatron`` in YAML rely on this import side effect: with
+    ``lightning.pytorch`` already loaded (as here), ``import lightning_megatron`` imports the strategy and
+    registers its name at once."""
     saved = StrategyRegistry.pop("megatron", None)
     try:
         assert "megatron" not in StrategyRegistry
@@ -677,6 +681,25 @@ def test_import_registers_megatron_strategy() -> None:
     finally:
         if saved is not None:
             StrategyRegistry["megatron"] = saved
+
+
+def test_lazy_import_registers_megatron_strategy_on_first_access() -> None:
+    """The other import order: ``import lightning_megatron`` first loads neither torch, Lightning nor
+    megatron-core (trace readers such as the TensorBoard plugin rely on it); the strategy's first access
+    imports ``lightning_megatron.strategy``, which registers ``"megatron"``."""
+    code = (
+        "import sys\n"
+        "import lightning_megatron\n"
+        "heavy = sorted({'torch', 'lightning', 'megatron'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+        "assert lightning_megatron.MegatronConfigError.__name__ == 'MegatronConfigError'\n"
+        "from lightning_megatron import MegatronAppStrategy\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert StrategyRegistry['megatron']['strategy'] is MegatronAppStrategy\n"
+        "assert lightning_megatron.MegatronPrecision.__name__ == 'MegatronPrecision'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_strategy_defaults() -> None:

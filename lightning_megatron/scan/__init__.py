@@ -3,9 +3,38 @@
 * ``MegaScan`` (callback): traces windows of steps on every rank into Chrome Trace Event Format files.
 * ``lightning-megatron scan aggregate|detect`` (``scan.aggregate``, ``scan.detect``): merge, diagnose.
 * ``SlowdownInjector`` / ``LinkDelayInjector`` (callbacks): reproduce a slow GPU or link, for evaluation.
+
+The callbacks need torch and are loaded on first access (PEP 562 ``__getattr__``): the offline tools
+(``format``, ``aggregate``, ``detect``, ``report``, ``synthetic``) read JSON only and must stay importable without
+torch, for the TensorBoard plugin and for machines that only analyse traces.
 """
 
-from lightning_megatron.scan.callback import MegaScan
-from lightning_megatron.scan.inject import LinkDelayInjector, SlowdownInjector
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_megatron.scan.callback import MegaScan
+    from lightning_megatron.scan.inject import LinkDelayInjector, SlowdownInjector
 
 __all__ = ["LinkDelayInjector", "MegaScan", "SlowdownInjector"]
+
+# public name → the module that defines it, imported on first access
+_LAZY = {
+    "MegaScan": "lightning_megatron.scan.callback",
+    "LinkDelayInjector": "lightning_megatron.scan.inject",
+    "SlowdownInjector": "lightning_megatron.scan.inject",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later accesses skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

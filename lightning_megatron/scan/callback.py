@@ -1,4 +1,9 @@
-"""``MegaScan``: trace windows of training steps on every rank, and name the slow ones at fit end."""
+"""``MegaScan``: trace windows of training steps on every rank, and name the slow ones at fit end.
+
+Everything of a run lands in one directory, by default ``<trainer.log_dir>/megascan`` (beside the logger's
+files, so ``tensorboard --logdir runs/`` finds a run's metrics and its Kineto traces together): the rank files,
+rank 0's ``megascan-report.json``, and the Kineto traces of ``profile_steps`` under ``profile/``.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +25,14 @@ from lightning_megatron.scan.clock import ClockOffset, clock_domain, measure_off
 from lightning_megatron.scan.collectives import CollectiveTracer
 from lightning_megatron.scan.format import TID, clock_metadata, open_for_append, rank_file_name, rank_metadata
 from lightning_megatron.scan.layers import LayerTracer
+from lightning_megatron.scan.profile import PROFILE_OPTIONS, StepProfiler
 from lightning_megatron.scan.recorder import Span, SpanRecorder
+from lightning_megatron.scan.report import REPORT_FILE
 from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
 from lightning_megatron.strategy.microbatch import infer_seq_length
 
-__all__ = ["MegaScan"]
+__all__ = ["MegaScan", "REPORT_FILE"]
+
 
 Granularity = Literal["stage", "layer", "op"]
 
@@ -40,8 +48,11 @@ class MegaScan(pl.Callback, StepListener):
     """Trace ``window`` consecutive steps every ``interval`` steps, one Chrome trace file per rank.
 
     Args:
-        trace_dir: Where each rank writes ``rankNNNNN-dpD-ppP-tpT.json[.gz]`` (a shared file system for
-            multi-node jobs, or collect the files afterwards).
+        trace_dir: Where each rank writes ``rankNNNNN-dpD-ppP-tpT.json[.gz]`` and rank 0 ``megascan-report.json``
+            (a shared file system for multi-node jobs, or collect the files afterwards). None:
+            ``<trainer.log_dir>/megascan`` (e.g. ``runs/gpt/version_0/megascan``; ``<default_root_dir>/megascan``
+            without a logger), decided by rank 0 for every rank. Read the resolved path from ``trace_dir`` after
+            set-up.
         interval, window: Trace steps ``s >= start_step`` with ``(s - start_step) % interval < window``.
         start_step: First traced step; 1 skips step 0, whose one-time warm-up would look like a slow rank.
         granularity: ``"stage"``: forward/backward per microbatch and chunk, pipeline sends/receives,
@@ -56,13 +67,19 @@ class MegaScan(pl.Callback, StepListener):
         detect_steps: The sliding window of recent steps online detection looks at.
         on_detect: ``on_detect(report, trainer) -> bool``, on rank 0 after each online detection (save a
             checkpoint, page someone, exclude a host); returning True stops training on every rank.
-        gzip: Write ``.json.gz``.
+        gzip: Write ``.json.gz`` (rank files and Kineto traces).
         clock_rounds: Round trips per rank when measuring clock offsets (at fit start and after each window).
+        profile_steps: Global steps to also run ``torch.profiler`` over (CPU, and CUDA on GPUs), each a traced
+            step: one Kineto trace per rank and run of consecutive steps in ``<trace_dir>/profile``, named
+            ``rankNNNNN-dpD-ppP-tpT.<time>.pt.trace.json``, steps marked ``ProfilerStep#<step>``, for
+            torch-tb-profiler (``tensorboard --logdir``) and HTA. Profiled steps are slower on every rank.
+        profile_options: ``torch.profiler.profile`` flags, all off by default: ``record_shapes``,
+            ``profile_memory``, ``with_stack``, ``with_flops``, ``with_modules``.
     """
 
     def __init__(
         self,
-        trace_dir: Union[str, Path] = "megascan",
+        trace_dir: Union[str, Path, None] = None,
         interval: int = 5,
         window: int = 2,
         start_step: int = 1,
@@ -74,6 +91,8 @@ class MegaScan(pl.Callback, StepListener):
         on_detect: Optional[Callable[[Any, pl.Trainer], Optional[bool]]] = None,
         gzip: bool = False,
         clock_rounds: int = 8,
+        profile_steps: Optional[list[int]] = None,
+        profile_options: Optional[dict[str, bool]] = None,
     ) -> None:
         if window < 1 or interval < window:
             raise MegatronConfigError(
@@ -89,13 +108,17 @@ class MegaScan(pl.Callback, StepListener):
                 f"MegaScan(detect_every={detect_every}, detect_steps={detect_steps}): detect_every is a number of "
                 "traced windows (>= 1, or None for fit end only) and detect_steps a number of recent steps (>= 2)."
             )
+        self.interval, self.window, self.start_step = interval, window, start_step
+        self.profile_steps = self._check_profile(profile_steps, profile_options)
+        self.profile_options = dict(profile_options or {})
         self.detect_every, self.detect_steps, self.on_detect = detect_every, detect_steps, on_detect
         self.online: list[dict[str, Any]] = []
         """Online detections: ``{"step", "report", "appeared", "recovered"}`` each (rank 0)."""
         self._windows = 0
         self._suspected: set[tuple[int, str]] = set()
-        self.trace_dir = Path(trace_dir)
-        self.interval, self.window, self.start_step = interval, window, start_step
+        self._trace_dir_arg = trace_dir
+        self.trace_dir: Optional[Path] = Path(trace_dir) if trace_dir is not None else None
+        """Where the files go; resolved in ``setup`` when the argument was None."""
         self.granularity = granularity
         self.detect, self.gzip, self.clock_rounds = detect, gzip, clock_rounds
         self.detect_options = dict(detect_options or {})
@@ -115,6 +138,27 @@ class MegaScan(pl.Callback, StepListener):
         self._fetch_started: Optional[float] = None
         self._fetches: list[tuple[float, float]] = []  # the loader's fetches since the last step ended
         self._clock_group: Any = None
+        self._profiler: Optional[StepProfiler] = None
+
+    def _check_profile(self, steps: Optional[list[int]], options: Optional[dict[str, bool]]) -> list[int]:
+        """``profile_steps`` must be traced steps, so a Kineto trace always has MegaScan's view of the same step."""
+        if isinstance(steps, (int, str)):
+            raise MegatronConfigError(f"MegaScan(profile_steps={steps!r}): give a list of global steps, e.g. [2].")
+        steps = list(steps or [])
+        bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or not self.is_traced(s)]
+        if bad:
+            traced = [s for s in range(self.start_step, self.start_step + 3 * self.interval) if self.is_traced(s)]
+            raise MegatronConfigError(
+                f"MegaScan(profile_steps={steps}): {bad} are not traced steps. With start_step={self.start_step}, "
+                f"interval={self.interval}, window={self.window} the traced steps are {traced}, ...; profile "
+                "some of those (or change the schedule), so MegaScan's trace shows the profiled steps too."
+            )
+        unknown = sorted(set(options or {}) - PROFILE_OPTIONS)
+        if unknown:
+            raise MegatronConfigError(
+                f"MegaScan(profile_options=...): unknown {unknown}; choose from {sorted(PROFILE_OPTIONS)}."
+            )
+        return sorted(set(steps))
 
     # -- which steps -------------------------------------------------------------------------------
     def is_traced(self, step: int) -> bool:
@@ -134,8 +178,17 @@ class MegaScan(pl.Callback, StepListener):
                 f"MegaScan traces MegatronAppStrategy runs; this Trainer uses {type(trainer.strategy).__name__}. "
                 "Pass strategy=MegatronAppStrategy(...) (or strategy='megatron')."
             )
+        late = [s for s in self.profile_steps if 0 <= trainer.max_steps <= s]
+        if late:
+            raise MegatronConfigError(
+                f"MegaScan(profile_steps={self.profile_steps}): {late} never run with max_steps={trainer.max_steps}."
+            )
         self._strategy = trainer.strategy
         self._strategy.add_step_listener(self)
+        if self._trace_dir_arg is None:
+            # Trainer.log_dir is the logger's (or default_root_dir) *as rank 0 sees it*, broadcast: the other
+            # ranks' loggers guess their version number themselves, after rank 0 created its version directory.
+            self.trace_dir = Path(trainer.log_dir or trainer.default_root_dir) / "megascan"
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy
@@ -144,9 +197,15 @@ class MegaScan(pl.Callback, StepListener):
         world = dist.get_world_size() if dist.is_initialized() else 1
         coords = parallel.coordinates
         self.trace_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.trace_dir / rank_file_name(rank, coords["dp"], coords["pp"], coords["tp"], self.gzip)
+        name = rank_file_name(rank, coords["dp"], coords["pp"], coords["tp"])
+        self.path = self.trace_dir / (name + (".gz" if self.gzip else ""))
         self.path.unlink(missing_ok=True)  # this rank's file only: other runs' files are not ours to delete
         use_cuda = strategy.root_device.type == "cuda"
+        if self.profile_steps:
+            worker = name.removesuffix(".json")  # tb-profiler's and HTA's worker name: rank and coordinates
+            self._profiler = StepProfiler(
+                self.profile_steps, self.trace_dir / "profile", worker, use_cuda, self.profile_options, self.gzip
+            )
         self._recorder = SpanRecorder(rank, use_cuda)
         self._context = {"step": None}
         self._collectives = CollectiveTracer(self._recorder, self._context)
@@ -198,6 +257,8 @@ class MegaScan(pl.Callback, StepListener):
     ) -> None:
         step = trainer.global_step
         now = now_us()
+        if self._profiler is not None:  # its start-up lands between the host gap and the step: in neither
+            self._profiler.begin(step)
         if self._recorder is None or not self.is_traced(step):
             return
         recorder = self._recorder
@@ -249,6 +310,8 @@ class MegaScan(pl.Callback, StepListener):
                 self._windows += 1
                 if self.detect_every and self._windows % self.detect_every == 0:
                     self._detect_online(trainer, step)
+        if self._profiler is not None:  # saving a trace takes a while: before the next host gap starts
+            self._profiler.end()
         self._last_batch_end = now_us()
         self._fetches = []  # what the loader fetches from here on belongs to the gap before the next step
 
@@ -261,6 +324,7 @@ class MegaScan(pl.Callback, StepListener):
 
             since = max(step - self.detect_steps + 1, self.start_step)
             report = detect(self.trace_dir, since_step=since, **self.detect_options)
+            self._save_report(report)
             now = {(s.rank, s.kind) for s in report.suspects}
             appeared, recovered = sorted(now - self._suspected), sorted(self._suspected - now)
             self._suspected = now
@@ -368,11 +432,20 @@ class MegaScan(pl.Callback, StepListener):
             from lightning_megatron.scan.detect import detect, log_to
 
             self.report = detect(self.trace_dir, **self.detect_options)
+            self._save_report(self.report)
             print(f"MegaScan ({self.trace_dir}):\n{self.report.table()}", flush=True)
             if trainer.logger is not None:
                 log_to(trainer.logger, self.report, trainer.global_step)
         if self.detect:
             self.report = trainer.strategy.broadcast(self.report, src=0)
+
+    def _save_report(self, report: Any) -> None:
+        """``megascan-report.json`` (``DetectionReport.from_json`` reads it back), replaced whole: a reader never
+        sees half a report, and the latest detection (online, then the fit-end one) is what it holds."""
+        path = self.trace_dir / REPORT_FILE
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(report.to_json())
+        partial.replace(path)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
@@ -389,7 +462,9 @@ class MegaScan(pl.Callback, StepListener):
         self._clock_group = None
 
     def _close(self) -> None:
-        """Leave nothing patched or open, whatever ended the run."""
+        """Leave nothing patched, open or profiling, whatever ended the run."""
+        if self._profiler is not None:
+            self._profiler.close()
         if self._collectives is not None:
             self._collectives.uninstall()
         if self._recorder is not None:

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol, Union
 
-__all__ = ["KINDS", "DetectionReport", "RankSummary", "Suspect", "log_to"]
+__all__ = ["KINDS", "REPORT_FILE", "DetectionReport", "RankSummary", "Suspect", "log_to"]
+
+REPORT_FILE = "megascan-report.json"  # MegaScan's report, beside the rank files (the TensorBoard plugin reads it)
 
 KINDS = ("compute", "link", "data", "host")  # what a Suspect can be
 

@@ -1,11 +1,24 @@
-"""The Lightning strategy: megatron-core parallelism, precision, optimizer and checkpoints."""
+"""The Lightning strategy: megatron-core parallelism, precision, optimizer and checkpoints.
 
-from lightning_megatron.strategy.checkpoint import DistCheckpointIO
-from lightning_megatron.strategy.listeners import StepListener
-from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout, StageSpec
-from lightning_megatron.strategy.precision import MegatronPrecision
-from lightning_megatron.strategy.step import StepOutput
-from lightning_megatron.strategy.strategy import MegatronAppStrategy
+Importing this package registers ``MegatronAppStrategy`` in Lightning's ``StrategyRegistry`` as ``"megatron"``
+(``Trainer(strategy="megatron")``, ``strategy: megatron`` in YAML). The registration lives here, not in
+``lightning_megatron/__init__.py``, so that the top-level package stays importable without torch and Lightning
+while every way of reaching the strategy (the CLI, ``from lightning_megatron import MegatronAppStrategy``)
+still registers it.
+"""
+
+from lightning_megatron.compat import quiet
+
+quiet.filter_warnings()  # before megatron-core is imported below: its import warns (see compat.quiet)
+
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from lightning_megatron.strategy.checkpoint import DistCheckpointIO  # noqa: E402
+from lightning_megatron.strategy.listeners import StepListener  # noqa: E402
+from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout, StageSpec  # noqa: E402
+from lightning_megatron.strategy.precision import MegatronPrecision  # noqa: E402
+from lightning_megatron.strategy.step import StepOutput  # noqa: E402
+from lightning_megatron.strategy.strategy import MegatronAppStrategy  # noqa: E402
 
 __all__ = [
     "DistCheckpointIO",
@@ -17,3 +30,5 @@ __all__ = [
     "StepListener",
     "StepOutput",
 ]
+
+MegatronAppStrategy.register_strategies(StrategyRegistry)  # override=True: re-imports are harmless
