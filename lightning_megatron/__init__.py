@@ -13,11 +13,11 @@ import lightning_megatron; pl.Trainer(strategy="megatron")`` keeps working).
 
 from __future__ import annotations
 
-import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from lightning_megatron.strategy import MegatronAppStrategy, MegatronPrecision
@@ -30,16 +30,7 @@ __all__ = ["MegatronAppStrategy", "MegatronConfigError", "MegatronPrecision", "_
 _LAZY = {"MegatronAppStrategy": "lightning_megatron.strategy", "MegatronPrecision": "lightning_megatron.strategy"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later accesses skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
 
 if "lightning.pytorch" in sys.modules:

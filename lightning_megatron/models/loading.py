@@ -113,6 +113,11 @@ def load_model(
     config: dict[str, Any] = {}
     if checkpoint is not None:
         config_file = Path(checkpoint) / "config.yaml"
+        if not Path(checkpoint).exists():
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint} does not exist; give a checkpoint directory written by "
+                "`lightning-megatron fit` (e.g. runs/gpt-tiny-cpu/checkpoints/last.ckpt)."
+            )
         if not config_file.is_file():
             raise MegatronConfigError(
                 f"{checkpoint} has no config.yaml; use checkpoints written by `lightning-megatron fit`."

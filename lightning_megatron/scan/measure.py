@@ -57,6 +57,7 @@ __all__ = [
     "collective_arrivals",
     "data_waits",
     "keep_finished_steps",
+    "merge_intervals",
     "link_transfers",
     "net_compute",
     "read_traces",
@@ -179,7 +180,7 @@ def _step_of(event: dict[str, Any]) -> Optional[int]:
     return None if step is None else int(step)
 
 
-def _merge(intervals: Iterable[tuple[float, float]]) -> tuple[list[float], list[float]]:
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> tuple[list[float], list[float]]:
     """The union of intervals as sorted, disjoint (starts, ends)."""
     starts: list[float] = []
     ends: list[float] = []
@@ -231,7 +232,7 @@ def _blocking(span: dict[str, Any]) -> bool:
 
 def _net_compute_spans(trace: RankTrace) -> Iterable[tuple[dict[str, Any], float]]:
     """Each compute or layer span of the rank with its net time (µs): its length less its own waits inside."""
-    waits = _merge((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if _blocking(s))
+    waits = merge_intervals((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if _blocking(s))
     for s in trace.spans:
         if s["cat"] in ("compute", "compute.layer"):
             yield s, max(s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], waits), 0.0)
@@ -291,7 +292,7 @@ def step_totals(traces: dict[int, RankTrace]) -> dict[int, dict[int, StepTotal]]
                 if (step := _step_of(s)) is not None:
                     by_step[step].append((s["ts"], s["ts"] + s["dur"]))
         for step, intervals in by_step.items():
-            starts, ends = _merge(intervals)
+            starts, ends = merge_intervals(intervals)
             per_step[step].wait_us = sum(e - b for b, e in zip(starts, ends))
         totals[rank] = dict(per_step)
     return totals
@@ -439,7 +440,9 @@ def data_waits(traces: dict[int, RankTrace], cat: str = "data") -> DataWaits:
         per_step: dict[int, float] = defaultdict(float)
         end: dict[int, float] = {}
         # a host gap holds the loader's fetches: those are data time, not the host's
-        fetches = _merge((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if cat == "host" and s["cat"] == "data")
+        fetches = merge_intervals(
+            (s["ts"], s["ts"] + s["dur"]) for s in trace.spans if cat == "host" and s["cat"] == "data"
+        )
         for s in trace.spans:
             if s["cat"] == cat:
                 step = int(_step_of(s))  # type: ignore[arg-type]

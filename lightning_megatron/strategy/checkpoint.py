@@ -73,6 +73,8 @@ class DistCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         path = Path(path)
         state_file = path / TRAINER_STATE
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist.")
         if not path.is_dir():
             raise FileNotFoundError(
                 f"{path} is not a MegatronAppStrategy checkpoint (a directory written by every rank)."

@@ -262,9 +262,10 @@ class MegatronAppStrategy(ParallelStrategy):
                 "process_group_backend='gloo' (the CPU default)."
             )
         if on_cpu:
-            from lightning_megatron.compat import cpu
+            from lightning_megatron.compat import cpu, quiet
 
             cpu.apply()
+            quiet.filter_cpu_warnings()
         collect_previous_fits()
         super().setup_environment()  # the accelerator sets the CUDA device
         reset_seed()
@@ -578,8 +579,25 @@ class MegatronAppStrategy(ParallelStrategy):
             template["optimizer_states"] = [optimizer.sharded_state_dict(template["state_dict"], is_loading=True)]
         load = self.checkpoint_io.load_checkpoint
         if isinstance(self.checkpoint_io, DistCheckpointIO):
-            return load(checkpoint_path, weights_only=weights_only, sharded_state_dict=template)
-        return load(checkpoint_path, weights_only=weights_only)
+            checkpoint = load(checkpoint_path, weights_only=weights_only, sharded_state_dict=template)
+        else:
+            checkpoint = load(checkpoint_path, weights_only=weights_only)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._drop_training_callback_states(checkpoint)
+        return checkpoint
+
+    def _drop_training_callback_states(self, checkpoint: dict[str, Any]) -> None:
+        """Evaluating or generating from a training checkpoint needs none of the run's callbacks.
+
+        Lightning hands each callback of this Trainer its saved state and warns about saved states without a
+        callback ("callbacks used to create the checkpoint need to be provided"), advice that is right for
+        resuming a fit and wrong for a validation or for loading weights to generate (``lightning-megatron
+        sample``). States no callback here would read are dropped; the others are restored as before.
+        """
+        states = checkpoint.get("callbacks")
+        if isinstance(states, dict):
+            present = {callback.state_key for callback in self.lightning_module.trainer.callbacks}
+            checkpoint["callbacks"] = {key: state for key, state in states.items() if key in present}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]

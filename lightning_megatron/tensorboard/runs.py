@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_megatron.scan.format import RANK_FILE_PATTERN, THREAD_NAMES, read_rank_file
+from lightning_megatron.scan.measure import merge_intervals
 from lightning_megatron.scan.report import REPORT_FILE
 
 __all__ = ["BadRequest", "NotFound", "RunError", "RunStore", "parse_ranks"]
@@ -97,19 +98,6 @@ def _signature(files: dict[int, Path]) -> tuple[tuple[str, int, int], ...]:
     return tuple(sorted(out))
 
 
-def _union(intervals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
-    """Sorted, disjoint (starts, ends) covering the intervals."""
-    starts: list[float] = []
-    ends: list[float] = []
-    for start, end in sorted(intervals):
-        if starts and start <= ends[-1]:
-            ends[-1] = max(ends[-1], end)
-        else:
-            starts.append(start)
-            ends.append(end)
-    return starts, ends
-
-
 def _covered(union: tuple[list[float], list[float]]) -> float:
     return sum(end - start for start, end in zip(*union))
 
@@ -149,10 +137,10 @@ def _split(items: list[tuple[str, float, float, bool]]) -> Optional[dict[str, fl
     lo, hi = min(ts for _, ts, _, _ in items), max(ts + dur for _, ts, dur, _ in items)
     clipped = [(cat, max(ts, lo), min(ts + dur, hi), is_async) for cat, ts, dur, is_async in items]
     clipped = [item for item in clipped if item[2] > item[1]]
-    waits = _union(
+    waits = merge_intervals(
         [(a, b) for cat, a, b, is_async in clipped if cat in WAIT_CATS or (cat == "collective" and not is_async)]
     )
-    compute = _union([(a, b) for cat, a, b, _ in clipped if cat in COMPUTE_CATS])
+    compute = merge_intervals([(a, b) for cat, a, b, _ in clipped if cat in COMPUTE_CATS])
     wait_us = _covered(waits)
     compute_us = sum(end - start - _overlap(start, end, waits) for start, end in zip(*compute))
     step_us = hi - lo

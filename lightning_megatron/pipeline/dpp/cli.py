@@ -299,8 +299,4 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _register_simulate(commands)
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except MegatronConfigError as err:
-        print(f"lightning-megatron dpp {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    return int(args.func(args) or 0)  # a MegatronConfigError is reported by lightning_megatron.cli_errors
