@@ -336,7 +336,8 @@ def test_module_boundaries() -> None:
     (``detect``) use measuring, comparing and reporting; measuring reads ``format`` and fills ``report``'s
     per-rank summaries; comparing and reporting import nothing."""
     expected = {
-        "detect": {"compare", "measure", "report"},
+        "detect": {"compare", "compute_rules", "measure", "report"},
+        "compute_rules": {"compare", "measure", "report"},
         "measure": {"format", "report"},
         "compare": set(),
         "report": set(),
@@ -421,3 +422,16 @@ def test_pipeline_only_compares_layer_parts_across_stages(tmp_path: Path, slow: 
     suspect = only(report, slow, "compute")
     assert suspect.evidence["rule"] == "layer parts across pipeline stages"
     assert abs(suspect.slowdown - 0.2) < 0.05
+
+
+@pytest.mark.parametrize("case", ["lone-stage", "every-rank", "clean"])
+def test_a_rank_that_slows_down_during_the_run_against_itself(tmp_path: Path, case: str) -> None:
+    """No peer can show these: PP2 without layer spans (each stage alone), or every rank slowed at once. The
+    rank's later steps against its own earlier ones can."""
+    slow = {"lone-stage": {1: 1.3}, "every-rank": {0: 1.3, 1: 1.3}, "clean": {}}[case]
+    layout = dict(dp=1, pp=2, tp=1) if case != "every-rank" else dict(dp=2, pp=1, tp=1)
+    report, _ = run(tmp_path, steps=20, slow_ranks=slow, slow_from_step=10, **layout)
+    assert {s.rank for s in report.suspects} == set(slow), report.table()
+    for suspect in report.suspects:
+        assert suspect.evidence["rule"] == "later steps against the rank's own earlier steps"
+        assert abs(suspect.slowdown - 0.3) < 0.08

@@ -1,7 +1,8 @@
 """``lightning-megatron scan detect``: find the ranks that slow a run down, from MegaScan traces alone.
 
 The contract: a trace directory in, a ``DetectionReport`` out; this module holds the rules that decide what is
-slow (who is compared with whom, the thresholds, the lateness rule) and the CLI. ``scan.measure`` turns the
+slow (who is compared with whom, the thresholds, the lateness rule) and the CLI; the compute rules are in
+``scan.compute_rules``. ``scan.measure`` turns the
 rank files into measurements, ``scan.compare`` compares a member with its peers statistically, and
 ``scan.report`` holds (and prints, serialises, logs) the result.
 
@@ -29,6 +30,8 @@ the time its peers spend on the *same* work, after taking the waiting out:
 * **compute across stages**: where a stage has a single rank (pipeline parallelism alone) and the trace has
   layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and backward) are
   the same work on every stage: those ranks are compared on them;
+* **compute against itself**: a rank's later steps against its own earlier ones (the analysed steps split in
+  halves, a rank-sum test), for what no peer can show: a lone stage without layer spans, or every rank at once;
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
   ``data-wait``, which also held Lightning's per-step work and named host slowness "data");
@@ -50,7 +53,7 @@ tensor-parallel group, imposing a wait about equal to its compute excess, is the
 
 Detection cannot blame a rank when its whole peer group is slow (all ranks of a stage), nor a stage whose
 groups have a single rank unless the trace has layer spans; a slowdown in fewer than about a third of the steps
-is taken for hiccups (on purpose), and the per-step rule needs at least ``_MIN_STEPS`` traced steps.
+is taken for hiccups (on purpose), and the per-step rule needs at least 8 traced steps.
 """
 
 from __future__ import annotations
@@ -62,25 +65,29 @@ import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from lightning_megatron.scan.compare import (
-    Comparison,
-    Level,
     compare_with_peers,
     levels_of,
     lower_half_bias,
     lower_half_median,
     mad_sigma,
     pooled_sigma,
-    signed_rank_p,
-    trimmed_mean,
+)
+from lightning_megatron.scan.compute_rules import (
+    compute_suspects,
+    cross_stage_suspects,
+    flagged,
+    make_suspect,
+    own_history_suspects,
+    peer_groups,
+    step_suspects,
 )
 from lightning_megatron.scan.measure import (
     DataWaits,
     Link,
     RankTrace,
-    StepTotal,
     Transfer,
     clock_sigma,
     collective_arrivals,
@@ -110,13 +117,7 @@ __all__ = [
 ]
 
 
-# A suspect must be slower than a healthy peer in at least this fraction of sample pairs (``Comparison.superiority``):
-# the median test assumes well-behaved noise; this one holds for heavy-tailed or two-mode noise too (CPU
-# contention: a rank's op takes either 3 ms or 12 ms), where a median can move without a consistent slowdown.
-_MIN_SUPERIORITY = 0.8
 _MIN_CLEAN = 3  # transfers per link with both ends alone in their spans, to compare only those (see links)
-_MIN_STEPS = 8  # steps of identical work for the per-step rule (its smallest p-value is then 1/256)
-_STEP_ALPHA = 0.01  # per-step rule: one rank against all its peers (Bonferroni over them)
 
 
 def detect(
@@ -151,7 +152,7 @@ def detect(
     min_impact_us = min_impact * median_step_us
 
     suspects: list[Suspect] = []
-    suspects += _compute_suspects(
+    suspects += compute_suspects(
         traces,
         per_rank,
         compute_samples,
@@ -162,8 +163,10 @@ def detect(
         min_impact_us,
         notes,
     )
-    suspects = _step_suspects(traces, per_rank, step_totals(traces), suspects, min_slowdown, min_impact_us)
-    suspects += _cross_stage_suspects(traces, per_rank, layer_samples, min_slowdown, min_z, min_impact_us)
+    totals = step_totals(traces)
+    suspects = step_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
+    suspects += cross_stage_suspects(traces, per_rank, layer_samples, min_slowdown, min_z, min_impact_us)
+    suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us)
     suspects += _data_suspects(traces, per_rank, data_waits(traces), min_slowdown, min_z, min_impact_us)
@@ -180,208 +183,6 @@ def detect(
         params={"min_slowdown": min_slowdown, "min_z": min_z, "min_impact": min_impact, "skip_steps": skip_steps},
         steps=all_steps,
     )
-
-
-def _peer_groups(traces: dict[int, RankTrace]) -> dict[int, list[int]]:
-    """Ranks that do the same work: one group per pipeline stage (all data- and tensor-parallel ranks)."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for rank, trace in sorted(traces.items()):
-        groups[trace.pp].append(rank)
-    return groups
-
-
-def _flagged(c: Comparison, min_slowdown: float, min_z: float) -> bool:
-    return c.excess >= min_slowdown and c.z >= min_z and c.superiority >= _MIN_SUPERIORITY
-
-
-def _compute_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    compute: dict[int, dict[str, list[float]]],
-    layers: dict[int, dict[str, list[float]]],
-    collectives: dict[int, dict[str, Any]],
-    min_slowdown: float,
-    min_z: float,
-    min_impact_us: float,
-    notes: list[str],
-) -> list[Suspect]:
-    """Compare net compute within each pipeline stage; the evidence adds the rank's collective arrival order
-    and, when the trace has layer spans, the layer parts that are slowest relative to the peers."""
-    suspects = []
-    everywhere = pooled_sigma(values for per_op in (*compute.values(), *layers.values()) for values in per_op.values())
-    for pp, ranks in sorted(_peer_groups(traces).items()):
-        source = compute if any(compute[r] for r in ranks) else layers
-        members = [r for r in ranks if source[r]]
-        if len(members) < 2:
-            if members and not layers[members[0]]:
-                notes.append(
-                    f"stage pp{pp}: a single rank with compute spans, no peers to compare with (trace with "
-                    "granularity='layer' to compare layer parts across stages)"
-                )
-            continue
-        floor = max(pooled_sigma(values for r in members for values in source[r].values()), everywhere)
-        comparisons = compare_with_peers({r: levels_of(source[r], floor) for r in members})
-        # per-layer-part levels localise the slowness (which layer part is slow), when the trace has them
-        layer_levels = {r: levels_of(layers[r], floor) for r in members if layers[r]}
-        for c in comparisons:
-            if not _flagged(c, min_slowdown, min_z):
-                continue
-            rank = c.member
-            summary = per_rank[rank]
-            compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
-            impact_us = compute_us * c.excess / (1 + c.excess)
-            if impact_us < min_impact_us:
-                continue
-            evidence: dict[str, Any] = {
-                "median_ms": c.median / 1000,
-                "baseline_ms": c.baseline / 1000,
-                "z": round(c.z, 2),
-                "superiority": round(c.superiority, 3),
-                "samples": c.n,
-                "peers": len(members) - 1,
-                "impact_ms": impact_us / 1000,
-                "step_ms": summary.step_ms,
-                "compute_ms": summary.compute_ms,
-            }
-            evidence.update(_collective_evidence(collectives.get(rank, {})))
-            if rank in layer_levels and len(layer_levels) >= 2:
-                evidence["slowest_layer_parts"] = _slowest_parts(rank, layer_levels)
-            suspects.append(_suspect(traces[rank], "compute", c.excess, evidence))
-    return suspects
-
-
-def _step_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    totals: dict[int, dict[int, StepTotal]],
-    suspects: list[Suspect],
-    min_slowdown: float,
-    min_impact_us: float,
-) -> list[Suspect]:
-    """The per-step rule (module docstring). Adds its evidence to a compute suspect the per-op rule already
-    named (``evidence["per_step"]``), or names a new one; returns all compute suspects."""
-    by_rank = {s.rank: s for s in suspects}
-    for _pp, ranks in sorted(_peer_groups(traces).items()):
-        members = [r for r in ranks if totals.get(r)]
-        if len(members) < 2:
-            continue
-        steps = sorted(set.intersection(*(set(totals[r]) for r in members)))
-        steps = [s for s in steps if len({totals[r][s].spans for r in members}) == 1 and totals[members[0]][s].spans]
-        if len(steps) < _MIN_STEPS:
-            continue
-        compute = {r: [totals[r][s].compute_us for s in steps] for r in members}
-        if any(v <= 0 for values in compute.values() for v in values):
-            continue
-        for rank in members:
-            peers = [q for q in members if q != rank]
-            p_values = {q: signed_rank_p([math.log(a / b) for a, b in zip(compute[rank], compute[q])]) for q in peers}
-            slower_than = [q for q, p in p_values.items() if p < _STEP_ALPHA / len(peers)]
-            if not slower_than or len(slower_than) < len(peers) / 2:
-                continue
-            baseline = [lower_half_median([compute[q][i] for q in peers]) for i in range(len(steps))]
-            excess = trimmed_mean([a / b - 1.0 for a, b in zip(compute[rank], baseline)])
-            impact_us = trimmed_mean([a - b for a, b in zip(compute[rank], baseline)])
-            if excess < min_slowdown or impact_us < min_impact_us:
-                continue
-            waits = {r: [totals[r][s].wait_us for s in steps] for r in members}
-            peers_wait = [statistics.fmean(waits[q][i] for q in peers) - waits[rank][i] for i in range(len(steps))]
-            evidence: dict[str, Any] = {
-                "rule": "per-step net compute, signed-rank test over steps",
-                "steps": len(steps),
-                "p_value": max(p_values[q] for q in slower_than),
-                "slower_than": slower_than,
-                "slower_steps_fraction": sum(a > b for a, b in zip(compute[rank], baseline)) / len(steps),
-                "mean_excess": round(excess, 4),
-                "impact_ms": impact_us / 1000,
-                "peers_wait_ms": statistics.median(peers_wait) / 1000,
-            }
-            known = by_rank.get(rank)
-            if known is not None and known.kind == "compute":
-                known.evidence["per_step"] = evidence
-                continue
-            evidence.update(step_ms=per_rank[rank].step_ms, compute_ms=per_rank[rank].compute_ms, peers=len(peers))
-            by_rank[rank] = _suspect(traces[rank], "compute", excess, evidence)
-            suspects.append(by_rank[rank])
-    return suspects
-
-
-def _cross_stage_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    layers: dict[int, dict[str, list[float]]],
-    min_slowdown: float,
-    min_z: float,
-    min_impact_us: float,
-) -> list[Suspect]:
-    """Ranks alone in their stage, compared with each other on transformer layer parts (the same work on every
-    stage: ``forward attention``, ``backward mlp``, ...), where the trace has layer spans."""
-    alone = [ranks[0] for ranks in _peer_groups(traces).values() if len(ranks) == 1 and layers.get(ranks[0])]
-    if len(alone) < 2:
-        return []
-    samples: dict[int, dict[str, list[float]]] = {}
-    for rank in alone:
-        merged: dict[str, list[float]] = defaultdict(list)
-        for key, values in layers[rank].items():
-            direction, _layer, _number, *part = key.split(" ")
-            merged[f"{direction} {' '.join(part)}"] += values
-        samples[rank] = dict(merged)
-    floor = pooled_sigma(values for per_part in samples.values() for values in per_part.values())
-    suspects = []
-    for c in compare_with_peers({r: levels_of(samples[r], floor) for r in alone}):
-        if not _flagged(c, min_slowdown, min_z):
-            continue
-        summary = per_rank[c.member]
-        compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
-        impact_us = compute_us * c.excess / (1 + c.excess)
-        if impact_us < min_impact_us:
-            continue
-        evidence = {
-            "rule": "layer parts across pipeline stages",
-            "median_ms": c.median / 1000,
-            "baseline_ms": c.baseline / 1000,
-            "z": round(c.z, 2),
-            "superiority": round(c.superiority, 3),
-            "samples": c.n,
-            "peers": len(alone) - 1,
-            "impact_ms": impact_us / 1000,
-            "step_ms": summary.step_ms,
-            "compute_ms": summary.compute_ms,
-        }
-        suspects.append(_suspect(traces[c.member], "compute", c.excess, evidence))
-    return suspects
-
-
-def _collective_evidence(by_name: dict[str, Any]) -> dict[str, Any]:
-    """Last-arrival numbers for the most telling group: tensor-parallel if the rank has one, else the group
-    the rank shares with the fewest ranks (where being last points at the rank itself most directly)."""
-    if not by_name:
-        return {}
-    name = "tp" if "tp" in by_name else min(by_name, key=lambda n: (by_name[n].get("group_size", 0), n))
-    entry = by_name[name]
-    return {
-        "collective_group": name,
-        "collective_instances": int(entry["instances"]),
-        "last_arrival_fraction": entry["last"] / entry["instances"] if entry["instances"] else None,
-        "expected_last_fraction": 1.0 / entry.get("group_size", 2),
-        "imposed_wait_ms": entry["imposed_us"] / entry["last"] / 1000 if entry["last"] else 0.0,
-    }
-
-
-def _slowest_parts(rank: int, levels: dict[int, dict[str, Level]], top: int = 3) -> list[dict[str, Any]]:
-    ratios = []
-    for key, level in levels[rank].items():
-        peers = [lv[key].median for lv in levels.values() if key in lv]
-        if len(peers) >= 2:
-            base = lower_half_median(peers)
-            if base > 0:
-                ratios.append({"op": key, "slowdown": level.median / base - 1.0, "ms": level.median / 1000})
-    return sorted(ratios, key=lambda r: -r["slowdown"])[:top]
-
-
-def _suspect(
-    trace: RankTrace, kind: str, slowdown: float, evidence: dict[str, Any], peer: Optional[int] = None
-) -> Suspect:
-    return Suspect(**trace.coordinates, kind=kind, slowdown=round(slowdown, 4), peer=peer, evidence=evidence)
 
 
 def _link_suspects(
@@ -425,7 +226,7 @@ def _link_suspects(
                 level.se = math.hypot(level.se, clock_sigma(traces[link[0]], traces[link[1]]) / typical_bytes)
             levels[link] = {"per_byte": level}
         for c in compare_with_peers(levels):
-            if not _flagged(c, min_slowdown, min_z):
+            if not flagged(c, min_slowdown, min_z):
                 continue
             src, dst, _ = c.member
             samples = chosen[c.member]
@@ -448,7 +249,7 @@ def _link_suspects(
                 "compared_links": len(links) - 1,
                 "impact_ms": impact_us / 1000,
             }
-            suspects.append(_suspect(traces[src], "link", c.excess, evidence, peer=dst))
+            suspects.append(make_suspect(traces[src], "link", c.excess, evidence, peer=dst))
     return suspects
 
 
@@ -471,14 +272,14 @@ def _data_suspects(
     samples, ends = waits.samples, waits.ends
     suspects = []
     everywhere = pooled_sigma(samples.values())
-    for _pp, ranks in sorted(_peer_groups(traces).items()):
+    for _pp, ranks in sorted(peer_groups(traces).items()):
         members = [r for r in ranks if r in samples]
         if len(members) < 2:
             continue
         floor = max(pooled_sigma(samples[r] for r in members), everywhere)
         comparisons = compare_with_peers({r: levels_of({"data-wait": samples[r]}, floor) for r in members})
         for c in comparisons:
-            if not _flagged(c, min_slowdown, min_z):
+            if not flagged(c, min_slowdown, min_z):
                 continue
             rank = c.member
             late_us = _lateness(rank, members, ends)
@@ -501,7 +302,7 @@ def _data_suspects(
                 "impact_ms": impact_us / 1000,
                 "step_ms": per_rank[rank].step_ms,
             }
-            suspects.append(_suspect(traces[rank], kind, c.excess, evidence))
+            suspects.append(make_suspect(traces[rank], kind, c.excess, evidence))
     return suspects
 
 

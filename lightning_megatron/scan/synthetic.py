@@ -249,6 +249,7 @@ def generate_traces(
     slow_host: Optional[dict[int, float]] = None,
     slow_fraction: float = 1.0,
     slow_step_fraction: float = 1.0,
+    slow_from_step: int = 0,
     layers_per_stage: int = 0,
     clock_offsets_us: Optional[dict[int, float]] = None,
     seed: int = 0,
@@ -262,7 +263,7 @@ def generate_traces(
     """Simulate a dp × pp × tp job for ``steps`` steps and write one rank file per rank into ``out_dir``.
 
     ``slow_ranks`` {rank: compute factor} (``slow_fraction``: of the compute spans hit, at random;
-    ``slow_step_fraction``: of the steps hit, at random), ``slow_links`` {(src, dst): p2p transfer factor},
+    ``slow_step_fraction``: of the steps hit, at random; ``slow_from_step``: none before it), ``slow_links`` {(src, dst): p2p transfer factor},
     ``layers_per_stage`` > 0 adds layer spans (``granularity="layer"``);
     ``slow_data`` {rank: data-wait factor}, ``slow_host`` {rank: factor of the host's gap between steps}; ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
     given get 0); by default every rank but 0 gets a random offset within ±50 ms. ``truncate_ranks`` are cut in
@@ -297,8 +298,8 @@ def generate_traces(
     lanes = [[[rank_of(d, s, t, dp, tp) for t in range(tp)] for s in range(pp)] for d in range(dp)]
 
     for step in range(steps):
-        if slow_step_fraction < 1.0:
-            sim.begin_step(rng.random() < slow_step_fraction)
+        if slow_step_fraction < 1.0 or slow_from_step > 0:
+            sim.begin_step(step >= slow_from_step and (slow_step_fraction >= 1.0 or rng.random() < slow_step_fraction))
         for rank in range(world):  # the host's work between two steps (Lightning's hooks, logging)
             if step > 0:
                 gap = STEP_GAP_US * max(0.5, 1.0 + jitter * host_rng.gauss(0.0, 1.0))

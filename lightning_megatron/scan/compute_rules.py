@@ -1,0 +1,304 @@
+"""The compute rules of ``scan.detect``: which ranks are slow at their own work (``kind="compute"``).
+
+The contract: measurements in (``scan.measure``: net compute per op, per layer part, per step), compute
+suspects out; statistics come from ``scan.compare``. Four rules, each for what the others cannot see:
+
+* **per op** (``compute_suspects``): per-op medians of net compute within a pipeline stage's peers, flagged
+  by excess, z and superiority; the evidence adds collective arrival order and the slowest layer parts;
+* **per step** (``step_suspects``): per-step sums, each rank against each peer with Wilcoxon's signed-rank
+  test over steps; finds partial and bursty slowdowns that per-op medians do not move;
+* **across stages** (``cross_stage_suspects``): ranks alone in their stage, on transformer layer parts;
+* **against itself** (``own_history_suspects``): a rank's later steps against its own earlier ones (the
+  analysed steps split in halves), for what no peer can show: a lone stage without layer spans, or every
+  rank at once. It names a change within the analysed steps, not a rank that was slow from the start.
+
+The small helpers every rule of ``scan.detect`` shares (``peer_groups``, ``flagged``, ``make_suspect``) live
+here too, so the other rules import from this module and not the other way round.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import Any, Optional
+
+from lightning_megatron.scan.compare import (
+    Comparison,
+    Level,
+    compare_with_peers,
+    levels_of,
+    lower_half_median,
+    pooled_sigma,
+    rank_sum_p,
+    signed_rank_p,
+    trimmed_mean,
+)
+from lightning_megatron.scan.measure import RankTrace, StepTotal
+from lightning_megatron.scan.report import RankSummary, Suspect
+
+__all__ = [
+    "compute_suspects",
+    "cross_stage_suspects",
+    "flagged",
+    "make_suspect",
+    "own_history_suspects",
+    "peer_groups",
+    "step_suspects",
+]
+
+# A suspect must be slower than a healthy peer in at least this fraction of sample pairs (``Comparison.superiority``):
+# the median test assumes well-behaved noise; this one holds for heavy-tailed or two-mode noise too (CPU
+# contention: a rank's op takes either 3 ms or 12 ms), where a median can move without a consistent slowdown.
+_MIN_SUPERIORITY = 0.8
+MIN_STEPS = 8  # steps of identical work for the per-step rule (its smallest p-value is then 1/256)
+_STEP_ALPHA = 0.01  # per-step rule: one rank against all its peers (Bonferroni over them)
+_HISTORY_ALPHA = 0.001  # own-history rule: later half against earlier half, per rank (many ranks are tested)
+
+
+def peer_groups(traces: dict[int, RankTrace]) -> dict[int, list[int]]:
+    """Ranks that do the same work: one group per pipeline stage (all data- and tensor-parallel ranks)."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for rank, trace in sorted(traces.items()):
+        groups[trace.pp].append(rank)
+    return groups
+
+
+def flagged(c: Comparison, min_slowdown: float, min_z: float) -> bool:
+    return c.excess >= min_slowdown and c.z >= min_z and c.superiority >= _MIN_SUPERIORITY
+
+
+def compute_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    compute: dict[int, dict[str, list[float]]],
+    layers: dict[int, dict[str, list[float]]],
+    collectives: dict[int, dict[str, Any]],
+    min_slowdown: float,
+    min_z: float,
+    min_impact_us: float,
+    notes: list[str],
+) -> list[Suspect]:
+    """Compare net compute within each pipeline stage; the evidence adds the rank's collective arrival order
+    and, when the trace has layer spans, the layer parts that are slowest relative to the peers."""
+    suspects = []
+    everywhere = pooled_sigma(values for per_op in (*compute.values(), *layers.values()) for values in per_op.values())
+    for pp, ranks in sorted(peer_groups(traces).items()):
+        source = compute if any(compute[r] for r in ranks) else layers
+        members = [r for r in ranks if source[r]]
+        if len(members) < 2:
+            if members and not layers[members[0]]:
+                notes.append(
+                    f"stage pp{pp}: a single rank with compute spans, no peers to compare with (trace with "
+                    "granularity='layer' to compare layer parts across stages)"
+                )
+            continue
+        floor = max(pooled_sigma(values for r in members for values in source[r].values()), everywhere)
+        comparisons = compare_with_peers({r: levels_of(source[r], floor) for r in members})
+        # per-layer-part levels localise the slowness (which layer part is slow), when the trace has them
+        layer_levels = {r: levels_of(layers[r], floor) for r in members if layers[r]}
+        for c in comparisons:
+            if not flagged(c, min_slowdown, min_z):
+                continue
+            rank = c.member
+            summary = per_rank[rank]
+            compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
+            impact_us = compute_us * c.excess / (1 + c.excess)
+            if impact_us < min_impact_us:
+                continue
+            evidence: dict[str, Any] = {
+                "median_ms": c.median / 1000,
+                "baseline_ms": c.baseline / 1000,
+                "z": round(c.z, 2),
+                "superiority": round(c.superiority, 3),
+                "samples": c.n,
+                "peers": len(members) - 1,
+                "impact_ms": impact_us / 1000,
+                "step_ms": summary.step_ms,
+                "compute_ms": summary.compute_ms,
+            }
+            evidence.update(_collective_evidence(collectives.get(rank, {})))
+            if rank in layer_levels and len(layer_levels) >= 2:
+                evidence["slowest_layer_parts"] = _slowest_parts(rank, layer_levels)
+            suspects.append(make_suspect(traces[rank], "compute", c.excess, evidence))
+    return suspects
+
+
+def step_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    totals: dict[int, dict[int, StepTotal]],
+    suspects: list[Suspect],
+    min_slowdown: float,
+    min_impact_us: float,
+) -> list[Suspect]:
+    """The per-step rule (module docstring). Adds its evidence to a compute suspect the per-op rule already
+    named (``evidence["per_step"]``), or names a new one; returns all compute suspects."""
+    by_rank = {s.rank: s for s in suspects}
+    for _pp, ranks in sorted(peer_groups(traces).items()):
+        members = [r for r in ranks if totals.get(r)]
+        if len(members) < 2:
+            continue
+        steps = sorted(set.intersection(*(set(totals[r]) for r in members)))
+        steps = [s for s in steps if len({totals[r][s].spans for r in members}) == 1 and totals[members[0]][s].spans]
+        if len(steps) < MIN_STEPS:
+            continue
+        compute = {r: [totals[r][s].compute_us for s in steps] for r in members}
+        if any(v <= 0 for values in compute.values() for v in values):
+            continue
+        for rank in members:
+            peers = [q for q in members if q != rank]
+            p_values = {q: signed_rank_p([math.log(a / b) for a, b in zip(compute[rank], compute[q])]) for q in peers}
+            slower_than = [q for q, p in p_values.items() if p < _STEP_ALPHA / len(peers)]
+            if not slower_than or len(slower_than) < len(peers) / 2:
+                continue
+            baseline = [lower_half_median([compute[q][i] for q in peers]) for i in range(len(steps))]
+            excess = trimmed_mean([a / b - 1.0 for a, b in zip(compute[rank], baseline)])
+            impact_us = trimmed_mean([a - b for a, b in zip(compute[rank], baseline)])
+            if excess < min_slowdown or impact_us < min_impact_us:
+                continue
+            waits = {r: [totals[r][s].wait_us for s in steps] for r in members}
+            peers_wait = [statistics.fmean(waits[q][i] for q in peers) - waits[rank][i] for i in range(len(steps))]
+            evidence: dict[str, Any] = {
+                "rule": "per-step net compute, signed-rank test over steps",
+                "steps": len(steps),
+                "p_value": max(p_values[q] for q in slower_than),
+                "slower_than": slower_than,
+                "slower_steps_fraction": sum(a > b for a, b in zip(compute[rank], baseline)) / len(steps),
+                "mean_excess": round(excess, 4),
+                "impact_ms": impact_us / 1000,
+                "peers_wait_ms": statistics.median(peers_wait) / 1000,
+            }
+            known = by_rank.get(rank)
+            if known is not None and known.kind == "compute":
+                known.evidence["per_step"] = evidence
+                continue
+            evidence.update(step_ms=per_rank[rank].step_ms, compute_ms=per_rank[rank].compute_ms, peers=len(peers))
+            by_rank[rank] = make_suspect(traces[rank], "compute", excess, evidence)
+            suspects.append(by_rank[rank])
+    return suspects
+
+
+def cross_stage_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    layers: dict[int, dict[str, list[float]]],
+    min_slowdown: float,
+    min_z: float,
+    min_impact_us: float,
+) -> list[Suspect]:
+    """Ranks alone in their stage, compared with each other on transformer layer parts (the same work on every
+    stage: ``forward attention``, ``backward mlp``, ...), where the trace has layer spans."""
+    alone = [ranks[0] for ranks in peer_groups(traces).values() if len(ranks) == 1 and layers.get(ranks[0])]
+    if len(alone) < 2:
+        return []
+    samples: dict[int, dict[str, list[float]]] = {}
+    for rank in alone:
+        merged: dict[str, list[float]] = defaultdict(list)
+        for key, values in layers[rank].items():
+            direction, _layer, _number, *part = key.split(" ")
+            merged[f"{direction} {' '.join(part)}"] += values
+        samples[rank] = dict(merged)
+    floor = pooled_sigma(values for per_part in samples.values() for values in per_part.values())
+    suspects = []
+    for c in compare_with_peers({r: levels_of(samples[r], floor) for r in alone}):
+        if not flagged(c, min_slowdown, min_z):
+            continue
+        summary = per_rank[c.member]
+        compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
+        impact_us = compute_us * c.excess / (1 + c.excess)
+        if impact_us < min_impact_us:
+            continue
+        evidence = {
+            "rule": "layer parts across pipeline stages",
+            "median_ms": c.median / 1000,
+            "baseline_ms": c.baseline / 1000,
+            "z": round(c.z, 2),
+            "superiority": round(c.superiority, 3),
+            "samples": c.n,
+            "peers": len(alone) - 1,
+            "impact_ms": impact_us / 1000,
+            "step_ms": summary.step_ms,
+            "compute_ms": summary.compute_ms,
+        }
+        suspects.append(make_suspect(traces[c.member], "compute", c.excess, evidence))
+    return suspects
+
+
+def _collective_evidence(by_name: dict[str, Any]) -> dict[str, Any]:
+    """Last-arrival numbers for the most telling group: tensor-parallel if the rank has one, else the group
+    the rank shares with the fewest ranks (where being last points at the rank itself most directly)."""
+    if not by_name:
+        return {}
+    name = "tp" if "tp" in by_name else min(by_name, key=lambda n: (by_name[n].get("group_size", 0), n))
+    entry = by_name[name]
+    return {
+        "collective_group": name,
+        "collective_instances": int(entry["instances"]),
+        "last_arrival_fraction": entry["last"] / entry["instances"] if entry["instances"] else None,
+        "expected_last_fraction": 1.0 / entry.get("group_size", 2),
+        "imposed_wait_ms": entry["imposed_us"] / entry["last"] / 1000 if entry["last"] else 0.0,
+    }
+
+
+def _slowest_parts(rank: int, levels: dict[int, dict[str, Level]], top: int = 3) -> list[dict[str, Any]]:
+    ratios = []
+    for key, level in levels[rank].items():
+        peers = [lv[key].median for lv in levels.values() if key in lv]
+        if len(peers) >= 2:
+            base = lower_half_median(peers)
+            if base > 0:
+                ratios.append({"op": key, "slowdown": level.median / base - 1.0, "ms": level.median / 1000})
+    return sorted(ratios, key=lambda r: -r["slowdown"])[:top]
+
+
+def make_suspect(
+    trace: RankTrace, kind: str, slowdown: float, evidence: dict[str, Any], peer: Optional[int] = None
+) -> Suspect:
+    return Suspect(**trace.coordinates, kind=kind, slowdown=round(slowdown, 4), peer=peer, evidence=evidence)
+
+
+def own_history_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    totals: dict[int, dict[int, StepTotal]],
+    suspects: list[Suspect],
+    min_slowdown: float,
+    min_impact_us: float,
+) -> list[Suspect]:
+    """Ranks whose later steps are slower than their own earlier ones (module docstring); returns new suspects.
+
+    The analysed steps of identical work (equal span counts) are split into an earlier and a later half, each of
+    at least ``MIN_STEPS``; a rank is named when its later half is slower by ``min_slowdown`` (medians) and
+    ``min_impact`` per step, with a one-sided rank-sum test p < 0.001. Ranks already named are left out."""
+    named = {s.rank for s in suspects}
+    found = []
+    for rank, per_step in sorted(totals.items()):
+        if rank in named:
+            continue
+        steps = sorted(s for s, t in per_step.items() if t.spans and t.compute_us > 0)
+        counts = {per_step[s].spans for s in steps}
+        if len(counts) != 1 or len(steps) < 2 * MIN_STEPS:
+            continue
+        half = len(steps) // 2
+        earlier = [per_step[s].compute_us for s in steps[:half]]
+        later = [per_step[s].compute_us for s in steps[-half:]]
+        before, after = statistics.median(earlier), statistics.median(later)
+        excess, impact_us = after / before - 1.0, after - before
+        if excess < min_slowdown or impact_us < min_impact_us:
+            continue
+        p = rank_sum_p(later, earlier)
+        if p >= _HISTORY_ALPHA:
+            continue
+        evidence = {
+            "rule": "later steps against the rank's own earlier steps",
+            "earlier_steps": [steps[0], steps[half - 1]],
+            "later_steps": [steps[-half], steps[-1]],
+            "median_ms": after / 1000,
+            "baseline_ms": before / 1000,
+            "p_value": p,
+            "impact_ms": impact_us / 1000,
+            "step_ms": per_rank[rank].step_ms,
+        }
+        found.append(make_suspect(traces[rank], "compute", excess, evidence))
+    return found
