@@ -16,11 +16,16 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from lightning_megatron.compat import quiet
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from lightning_megatron.strategy import MegatronAppStrategy, MegatronPrecision
+
+# Other projects' warnings that are not the user's to act on (compat/quiet.py says which and why), filtered before
+# any module of this package imports megatron-core: the models, data and MegaScan import it without the strategy.
+quiet.filter_warnings()
 
 __version__ = "0.1.0"
 

@@ -5,8 +5,8 @@ emit it, of its category; each states why the user cannot act on it. Everything 
 warnings above all, still shows. Drop an entry when the project that emits the message fixes it.
 
 * ``filter_warnings()``: warnings raised while importing or running megatron-core, Lightning and torch the way
-  this package does. Installed when the strategy package is imported, before it imports megatron-core (whose
-  import warns).
+  this package does. Installed when ``lightning_megatron`` is imported (it imports nothing heavy), so before any
+  of its modules imports megatron-core, whose import warns.
 * ``filter_cpu_warnings()``: warnings that are advice for GPUs, installed when a strategy sets up on CPU.
 * ``quiet_cli_logs()``: log lines of Lightning that the ``lightning-megatron`` command hides: advertising
   tips, and the seed line repeated by every rank the launcher starts (rank 0 prints it once).
