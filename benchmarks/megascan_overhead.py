@@ -46,8 +46,9 @@ CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, nu
 FACTORS = [1.1, 1.2, 1.5]
 
 
-def _fit(spec: dict[str, Any], callbacks: list, steps: int) -> list[float]:
-    """One Trainer.fit; per-step seconds (after a synchronize at both ends of each step)."""
+def fit_once(spec: dict[str, Any], callbacks: list, steps: int, wrap_dataset: Any = None) -> list[float]:
+    """One Trainer.fit; per-step seconds (after a synchronize at both ends of each step). ``wrap_dataset``:
+    applied to the training set (``scan.faults.SlowDataset``)."""
     import lightning.pytorch as pl
     import torch
 
@@ -90,6 +91,9 @@ def _fit(spec: dict[str, Any], callbacks: list, steps: int) -> list[float]:
         global_batch_size=gbs,
         num_train_samples=gbs * steps,
     )
+    if wrap_dataset is not None:
+        data.setup("fit")
+        data.train_set = wrap_dataset(data.train_set)
     trainer.fit(module, data)
     # Trainer, strategy and module reference each other: without a full collection their GPU memory lives on
     # until Python's oldest generation is next collected, and forty fits in one process run out of memory.
@@ -111,9 +115,9 @@ def _worker(spec: dict[str, Any]) -> None:
     if spec["phase"] == "overhead":
         plain, traced = [], []
         for pair in range(spec["pairs"]):
-            plain += _fit(spec, [], steps)[2:]  # the first steps warm up
+            plain += fit_once(spec, [], steps)[2:]  # the first steps warm up
             scan = MegaScan(Path(spec["workdir"]) / f"overhead-{pair}", interval=1, window=1, detect=False)
-            traced += _fit(spec, [scan], steps)[2:]
+            traced += fit_once(spec, [scan], steps)[2:]
         out = {
             "plain_step_ms": 1000 * statistics.median(plain),
             "traced_step_ms": 1000 * statistics.median(traced),
@@ -132,7 +136,7 @@ def _worker(spec: dict[str, Any]) -> None:
                 ]
                 if factor > 1.0:
                     callbacks.append(SlowdownInjector(ranks=[slow], factor=factor))
-                _fit(spec, callbacks, steps)
+                fit_once(spec, callbacks, steps)
                 report = callbacks[0].report
                 named = {s.rank: s.kind for s in report.suspects}
                 runs.append(

@@ -1,0 +1,236 @@
+"""MegaScan's detection against faults it was not built from: recall and precision per fault kind and layout.
+
+    python benchmarks/megascan_eval.py --runs 10 --out benchmarks/results/megascan_eval_2xh200.json   # 2 GPUs
+    python benchmarks/megascan_eval.py --cpu --runs 4 --out benchmarks/results/megascan_eval_cpu.json  # gloo
+
+One ``torchrun`` launch of 2 processes per layout (DP2, TP2 with sequence parallelism, PP2); inside it, fits
+one after another (the strategy supports many fits per process), every step from step 2 traced, detection at fit
+end with its default thresholds. Cases, each ``--runs`` times, the faulted rank alternating between 0 and 1:
+
+* ``clean``;
+* ``gpu-contention`` / ``gpu-contention-bursty``: another process multiplying matrices on the rank's GPU,
+  continuously / 0.3 s on, 0.3 s off (``scan.faults.CompetingProcess``; GPUs only);
+* ``cpu-contention``: spinning processes on the rank's CPUs (its affinity set);
+* ``slow-loader`` / ``slow-loader-mild``: the rank's samples take longer to read (``scan.faults.SlowDataset``),
+  about 25% / 2% of a clean step per batch;
+* ``link-delay`` (PP2 only): pipeline messages from rank 0 to rank 1 arrive later, about 25% of a clean step per
+  step (``scan.inject.LinkDelayInjector``).
+
+Scoring (``score``): a fault *slows the job* when its median step time is ≥ 10% above the clean runs'. For those,
+recall is the fraction of runs naming the faulted rank (for the link: its sender) with an expected kind; a
+fault that does not slow the job must name nothing. Precision: right suspects over all suspects of the case's
+runs. Clean runs must name nothing. Every run's suspects are kept, so what was named instead is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from megascan_overhead import CPU_MODEL, GPU_MODELS, MICRO_BATCH, fit_once  # noqa: E402  (benchmarks/ is on the path)
+from provenance import provenance  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAYOUTS = {
+    "dp2": {},
+    "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "pp2": {"pipeline_model_parallel_size": 2},
+}
+EXPECTED = {  # the kinds that name a fault rightly
+    "gpu-contention": {"compute"},
+    "gpu-contention-bursty": {"compute"},
+    "cpu-contention": {"host", "compute"},
+    "slow-loader": {"data"},
+    "slow-loader-mild": {"data"},
+    "link-delay": {"link"},
+}
+SLOWS_THE_JOB = 0.10  # a fault whose median step is at least this much above clean must be found
+MICROBATCHES = 4
+
+
+def cases(layout: str, gpu: bool) -> list[str]:
+    names = ["clean", "cpu-contention", "slow-loader", "slow-loader-mild"]
+    if gpu:
+        names[1:1] = ["gpu-contention", "gpu-contention-bursty"]
+    if layout == "pp2":
+        names.append("link-delay")
+    return names
+
+
+def _callbacks(case: str, rank: int, step_ms: float, trace_dir: Path, micro_batch: int) -> tuple[list, Any]:
+    """The MegaScan callback, the fault's callbacks, and a dataset wrapper for the loader faults."""
+    from lightning_megatron.scan import LinkDelayInjector, MegaScan
+    from lightning_megatron.scan.faults import CompetingProcess, SlowDataset
+
+    callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=2)]
+    wrap = None
+    if case == "gpu-contention":
+        callbacks.append(CompetingProcess([rank], kind="gpu"))
+    elif case == "gpu-contention-bursty":
+        callbacks.append(CompetingProcess([rank], kind="gpu", on_s=0.3, off_s=0.3))
+    elif case == "cpu-contention":
+        callbacks.append(CompetingProcess([rank], kind="cpu"))
+    elif case.startswith("slow-loader"):
+        share = 0.02 if case.endswith("mild") else 0.25
+        per_sample_ms = share * step_ms / (MICROBATCHES * micro_batch)  # samples in a rank's batch
+        wrap = lambda dataset: SlowDataset(dataset, per_sample_ms, [rank])  # noqa: E731
+    elif case == "link-delay":
+        callbacks.append(LinkDelayInjector(src=0, dst=1, delay_ms=0.25 * step_ms / MICROBATCHES))
+    return callbacks, wrap
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    steps, runs = spec["steps"], spec["runs"]
+    records: list[dict[str, Any]] = []
+    workdir = Path(spec["workdir"])
+    clean_ms: list[float] = []
+    for case in cases(spec["layout_name"], spec["accelerator"] == "gpu"):
+        for i in range(runs):
+            rank = 0 if case == "link-delay" else i % 2
+            step_ms = statistics.median(clean_ms) if clean_ms else 100.0
+            callbacks, wrap = _callbacks(case, rank, step_ms, workdir / f"{case}-{i}", spec["micro_batch_size"])
+            started = time.perf_counter()
+            times = fit_once(spec, callbacks, steps, wrap_dataset=wrap)
+            median_ms = 1000 * statistics.median(times[2:])
+            if case == "clean":
+                clean_ms.append(median_ms)
+            report = callbacks[0].report
+            records.append(
+                {
+                    "case": case,
+                    "run": i,
+                    "faulted_rank": None if case == "clean" else rank,
+                    "step_ms": round(median_ms, 3),
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "suspects": [
+                        {
+                            "rank": s.rank,
+                            "kind": s.kind,
+                            "slowdown": s.slowdown,
+                            "impact_ms": round(s.impact_ms, 3),
+                            "rule": s.evidence.get("rule", "per-op medians"),
+                        }
+                        for s in (report.suspects if report is not None else [])
+                    ],
+                }
+            )
+            if dist.get_rank() == 0:
+                print(
+                    f"{spec['layout_name']} {case} run {i}: step {median_ms:.1f} ms, named "
+                    f"{[(s['rank'], s['kind']) for s in records[-1]['suspects']]}",
+                    flush=True,
+                )
+    if dist.get_rank() == 0:
+        Path(spec["result"]).write_text(json.dumps(records))
+
+
+def score(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per case: runs, the job's slowdown, recall (or quiet), precision; see the module docstring."""
+    clean = [r["step_ms"] for r in records if r["case"] == "clean"]
+    base = statistics.median(clean) if clean else None
+    table: dict[str, Any] = {}
+    for case in dict.fromkeys(r["case"] for r in records):
+        group = [r for r in records if r["case"] == case]
+        slowdown = statistics.median(r["step_ms"] for r in group) / base - 1.0 if base else None
+        named = [s for r in group for s in r["suspects"]]
+        entry: dict[str, Any] = {"runs": len(group), "job_slowdown": None if slowdown is None else round(slowdown, 4)}
+        if case == "clean" or (slowdown is not None and slowdown < SLOWS_THE_JOB):
+            entry["must_name_nothing"] = True
+            entry["runs_with_a_suspect"] = sum(bool(r["suspects"]) for r in group)
+        else:
+            right = [
+                sum(1 for s in r["suspects"] if s["rank"] == r["faulted_rank"] and s["kind"] in EXPECTED[case])
+                for r in group
+            ]
+            entry["recall"] = round(sum(bool(n) for n in right) / len(group), 3)
+            entry["rank_found_any_kind"] = round(
+                sum(any(s["rank"] == r["faulted_rank"] for s in r["suspects"]) for r in group) / len(group), 3
+            )
+            entry["precision"] = round(sum(right) / len(named), 3) if named else None
+        kinds: dict[str, int] = {}
+        for s in named:
+            kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+        entry["named_kinds"] = kinds
+        table[case] = entry
+    return table
+
+
+def _launch(spec: dict[str, Any]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += [__file__, "--worker-spec", json.dumps(spec)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    sys.stdout.write("\n".join(line for line in proc.stdout.splitlines() if " run " in line) + "\n")
+    if proc.returncode != 0 or not Path(spec["result"]).exists():
+        log = proc.stdout + proc.stderr
+        first = log.find("Traceback (most recent call last)")
+        return {"error": f"exit {proc.returncode}", "first_traceback": log[first : first + 4000]}
+    return {"runs": json.loads(Path(spec["result"]).read_text())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, required=False)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium")
+    parser.add_argument("--cpu", action="store_true", help="gloo processes and a tiny model (no GPU faults)")
+    args = parser.parse_args()
+    if args.worker_spec:
+        _worker(json.loads(args.worker_spec))
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
+    base = {
+        "accelerator": "cpu" if args.cpu else "gpu",
+        "devices": 2,
+        "model": CPU_MODEL if args.cpu else GPU_MODELS[args.model],
+        "model_name": "cpu-tiny" if args.cpu else args.model,
+        "micro_batch_size": 1 if args.cpu else MICRO_BATCH[args.model],
+        "steps": args.steps,
+        "runs": args.runs,
+    }
+    command = " ".join(["python", "benchmarks/megascan_eval.py", *sys.argv[1:]])
+    result: dict[str, Any] = {"what": "MegaScan detection against outside faults", **provenance(), "command": command}
+    result.update({k: v for k, v in base.items() if k != "devices"})
+    result["layouts"] = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in args.layouts:
+            layout = LAYOUTS[name]
+            dp = 2 if not layout else 1
+            spec = {
+                **base,
+                "layout": layout,
+                "layout_name": name,
+                "micro_batch_size": base["micro_batch_size"],
+                "global_batch_size": base["micro_batch_size"] * MICROBATCHES * dp,
+                "workdir": f"{workdir}/{name}",
+                "result": f"{workdir}/{name}.json",
+            }
+            outcome = _launch(spec)
+            if "runs" in outcome:
+                outcome["score"] = score(outcome["runs"])
+                print(json.dumps({name: outcome["score"]}, indent=1), flush=True)
+            result["layouts"][name] = outcome
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("RANK") is None and "--worker-spec" in sys.argv:
+        sys.exit("the worker runs under torch.distributed.run (started by main)")
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Faults from outside the job, for evaluating slow-rank detection against what its design did not assume.
+
+``scan.inject`` stretches a rank's own spans (MegaScan's model of a slow GPU); these make the machine slow the
+way real machines are, and leave it to the job to feel it (or not):
+
+* ``CompetingProcess(kind="gpu")``: another process running matrix multiplications on a rank's GPU (a second
+  job, a stuck inference server). It takes time slices from the training kernels; with ``on_s``/``off_s`` it
+  comes and goes (bursty). CUDA only.
+* ``CompetingProcess(kind="cpu")``: processes spinning on the CPUs the rank's process may run on (its affinity
+  set): a noisy neighbour on the host, which slows the host's kernel launches, data loading and Python.
+* ``SlowDataset``: a dataset wrapper that sleeps in ``__getitem__`` on the chosen ranks (a slow file system
+  behind one rank's loader). With ``num_workers=0`` the sleep is inside the loader's ``next()``, where MegaScan's
+  ``data-fetch`` span times it.
+
+A slow link is ``scan.inject.LinkDelayInjector`` (inside the transport, as a slow wire is).
+
+The competing processes start at fit start and stop at fit end, on exception and at teardown (terminated,
+then killed); they are spawned (not forked) so they hold no copy of the training process's CUDA context or
+communicators.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.errors import MegatronConfigError
+
+__all__ = ["CompetingProcess", "SlowDataset"]
+
+
+def _burn_gpu(device: int, on_s: float, off_s: float, stop: Any, size: int) -> None:
+    """Matrix multiplications on ``device`` for ``on_s`` seconds, idle ``off_s``, until ``stop`` is set."""
+    torch.cuda.set_device(device)
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    while not stop.is_set():
+        until = time.monotonic() + on_s
+        while time.monotonic() < until and not stop.is_set():
+            for _ in range(8):
+                a = (a @ b).clamp_(-1, 1)
+            torch.cuda.synchronize()
+        if off_s > 0:
+            stop.wait(off_s)
+
+
+def _burn_cpu(cpus: Sequence[int], on_s: float, off_s: float, stop: Any) -> None:
+    """A busy loop on ``cpus`` for ``on_s`` seconds, idle ``off_s``, until ``stop`` is set."""
+    os.sched_setaffinity(0, cpus)
+    while not stop.is_set():
+        until = time.monotonic() + on_s
+        x = 0
+        while time.monotonic() < until:
+            for i in range(10_000):
+                x += i * i
+            if stop.is_set():
+                return
+        if off_s > 0:
+            stop.wait(off_s)
+
+
+class CompetingProcess(pl.Callback):
+    """Competing work on the GPU (``kind="gpu"``) or the host CPUs (``kind="cpu"``) of the ranks ``ranks``.
+
+    ``on_s``/``off_s``: busy for ``on_s`` seconds, then idle for ``off_s`` (``off_s=0``: continuous).
+    ``processes``: competing processes per rank (``cpu``: default one per CPU of the rank's affinity set, at most
+    4). ``size``: the GPU burner's matrix size (larger: longer kernels, coarser time slices)."""
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        kind: Literal["gpu", "cpu"] = "gpu",
+        on_s: float = 1.0,
+        off_s: float = 0.0,
+        processes: Optional[int] = None,
+        size: int = 4096,
+    ) -> None:
+        if kind not in ("gpu", "cpu"):
+            raise MegatronConfigError(f"CompetingProcess(kind={kind!r}): choose 'gpu' or 'cpu'.")
+        if on_s <= 0 or off_s < 0:
+            raise MegatronConfigError(f"CompetingProcess(on_s={on_s}, off_s={off_s}): need on_s > 0 and off_s >= 0.")
+        if processes is not None and processes < 1:
+            raise MegatronConfigError(f"CompetingProcess(processes={processes}): at least 1, or None.")
+        self.ranks, self.kind, self.on_s, self.off_s = list(ranks), kind, on_s, off_s
+        self.processes, self.size = processes, size
+        self._children: list[Any] = []
+        self._stop: Any = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank not in self.ranks:
+            return
+        ctx = mp.get_context("spawn")
+        self._stop = ctx.Event()
+        if self.kind == "gpu":
+            device = trainer.strategy.root_device
+            if device.type != "cuda":
+                raise MegatronConfigError("CompetingProcess(kind='gpu') needs CUDA; on CPUs use kind='cpu'.")
+            targets = [(_burn_gpu, (device.index, self.on_s, self.off_s, self._stop, self.size))] * (
+                self.processes or 1
+            )
+        else:
+            cpus = sorted(os.sched_getaffinity(0))
+            count = self.processes or min(len(cpus), 4)
+            targets = [(_burn_cpu, (cpus, self.on_s, self.off_s, self._stop))] * count
+        for target, args in targets:
+            child = ctx.Process(target=target, args=args, daemon=True)
+            child.start()
+            self._children.append(child)
+
+    def _stop_children(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        for child in self._children:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.terminate()
+                child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=5)
+        self._children, self._stop = [], None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_children()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_children()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_children()
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """``dataset`` whose samples take ``delay_ms`` longer to read on the ranks ``ranks`` (a slow file system)."""
+
+    def __init__(self, dataset: Any, delay_ms: float, ranks: Sequence[int]) -> None:
+        if delay_ms < 0:
+            raise MegatronConfigError(f"SlowDataset(delay_ms={delay_ms}): need >= 0.")
+        self.dataset, self.delay_s, self.ranks = dataset, delay_ms / 1000.0, set(ranks)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        if self.delay_s and (dist.get_rank() if dist.is_initialized() else 0) in self.ranks:
+            time.sleep(self.delay_s)
+        return self.dataset[index]
