@@ -435,3 +435,14 @@ def test_a_rank_that_slows_down_during_the_run_against_itself(tmp_path: Path, ca
     for suspect in report.suspects:
         assert suspect.evidence["rule"] == "later steps against the rank's own earlier steps"
         assert abs(suspect.slowdown - 0.3) < 0.08
+
+
+@pytest.mark.parametrize("cause", ["host", "gpu"])
+def test_a_span_paced_by_the_host_is_not_a_slow_gpu(tmp_path: Path, cause: str) -> None:
+    """GPU traces carry the recorder's queue fields: a rank whose GPU starts every span as soon as the host
+    queues it was slowed by its host (named ``host``); one running behind a full queue by its GPU (``compute``)."""
+    fault = {"host_paced": {3: 1.3}} if cause == "host" else {"slow_ranks": {3: 1.3}, "gpu_queue": True}
+    report, _ = run(tmp_path, dp=2, pp=2, tp=1, steps=6, **fault)
+    suspect = only(report, 3, "host" if cause == "host" else "compute")
+    assert suspect.evidence["host_paced_fraction"] == (1.0 if cause == "host" else 0.0)
+    assert suspect.evidence["peers_host_paced_fraction"] == 0.0

@@ -38,6 +38,7 @@ from lightning_megatron.scan.measure import RankTrace, StepTotal
 from lightning_megatron.scan.report import RankSummary, Suspect
 
 __all__ = [
+    "attribute_host",
     "compute_suspects",
     "cross_stage_suspects",
     "flagged",
@@ -302,3 +303,25 @@ def own_history_suspects(
         }
         found.append(make_suspect(traces[rank], "compute", excess, evidence))
     return found
+
+
+def attribute_host(suspects: list[Suspect], pacing: dict[int, float], traces: dict[int, RankTrace]) -> None:
+    """Compute suspects whose spans the host paced become ``host`` suspects (GPU traces with queue fields).
+
+    A slow GPU runs behind a full queue; a GPU whose host is slow (CPU contention, a Python-heavy step) reaches
+    each span as soon as it is queued, and its spans last as long as the host takes. Where at least half of a
+    suspect's compute spans were host-paced and 30 points more of them than of its peers', the host is named."""
+    groups = peer_groups(traces)
+    for suspect in suspects:
+        if suspect.kind != "compute" or suspect.rank not in pacing:
+            continue
+        peers = [pacing[r] for r in groups[suspect.pp] if r != suspect.rank and r in pacing]
+        own = pacing[suspect.rank]
+        suspect.evidence["host_paced_fraction"] = round(own, 3)
+        if peers:
+            suspect.evidence["peers_host_paced_fraction"] = round(statistics.median(peers), 3)
+        if own >= 0.5 and own >= (statistics.median(peers) if peers else 0.0) + 0.3:
+            suspect.kind = "host"
+            suspect.evidence["why_host"] = (
+                "its GPU started most compute spans as soon as the host queued them: the host paced the work"
+            )

@@ -35,6 +35,8 @@ the time its peers spend on the *same* work, after taking the waiting out:
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
   ``data-wait``, which also held Lightning's per-step work and named host slowness "data");
+* **host inside steps**: on GPUs, a compute suspect whose GPU reached most spans as soon as the host queued them
+  (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
 * **host**: the same rule on the host's gaps between steps (``host-gap``: Lightning's per-step work, logging,
   callbacks): a rank whose host is slow (CPU contention) ends them late.
 
@@ -76,6 +78,7 @@ from lightning_megatron.scan.compare import (
     pooled_sigma,
 )
 from lightning_megatron.scan.compute_rules import (
+    attribute_host,
     compute_suspects,
     cross_stage_suspects,
     flagged,
@@ -92,6 +95,7 @@ from lightning_megatron.scan.measure import (
     clock_sigma,
     collective_arrivals,
     data_waits,
+    host_pacing,
     keep_finished_steps,
     link_transfers,
     net_compute,
@@ -167,6 +171,7 @@ def detect(
     suspects = step_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
     suspects += cross_stage_suspects(traces, per_rank, layer_samples, min_slowdown, min_z, min_impact_us)
     suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
+    attribute_host(suspects, host_pacing(traces), traces)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us)
     suspects += _data_suspects(traces, per_rank, data_waits(traces), min_slowdown, min_z, min_impact_us)

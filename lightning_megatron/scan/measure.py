@@ -30,6 +30,8 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   many compute spans it summed (identical work has identical counts), and the time the rank spent waiting for
   others (the union of its blocking communication and ``grad-sync`` spans): the per-step sums that a slowdown of
   part of the spans still moves, and who waited for whom without any clock alignment;
+* **host pacing** (``host_pacing``): on GPUs, the fraction of a rank's compute spans that its GPU started as soon as
+  the host queued them: a slow host, not a slow GPU;
 * ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
 """
 
@@ -56,6 +58,7 @@ __all__ = [
     "clock_sigma",
     "collective_arrivals",
     "data_waits",
+    "host_pacing",
     "keep_finished_steps",
     "merge_intervals",
     "link_transfers",
@@ -296,6 +299,22 @@ def step_totals(traces: dict[int, RankTrace]) -> dict[int, dict[int, StepTotal]]
             per_step[step].wait_us = sum(e - b for b, e in zip(starts, ends))
         totals[rank] = dict(per_step)
     return totals
+
+
+_STARVED_US = 30.0  # a GPU that reaches a span within this long after the host queued it was waiting for the host
+
+
+def host_pacing(traces: dict[int, RankTrace]) -> dict[int, float]:
+    """Per rank with the GPU recorder's queue fields: the fraction of its compute spans that its GPU reached as soon
+    as the host queued them (``queued_us`` under 30 µs), i.e. that the host, not the GPU, paced."""
+    pacing = {}
+    for rank, trace in traces.items():
+        queued = [
+            s["args"]["queued_us"] for s in trace.spans if s["cat"] == "compute" and "queued_us" in s.get("args", {})
+        ]
+        if queued:
+            pacing[rank] = sum(q < _STARVED_US for q in queued) / len(queued)
+    return pacing
 
 
 def collective_arrivals(traces: dict[int, RankTrace], per_rank: dict[int, RankSummary]) -> dict[int, dict[str, Any]]:

@@ -7,6 +7,12 @@ one ``synchronize`` resolves them all. Event objects come from a pool created be
 hot path allocates nothing. GPU times are mapped onto the host clock through a reference event recorded
 right after a synchronisation at the window start (the one sync per window, outside the traced steps'
 work).
+
+A GPU span also keeps the host time of its two records, written as ``args.enqueue_us`` (how long the host took
+to queue the span's work) and ``args.queued_us`` (how long after the host queued the span's start the GPU
+reached it). A GPU that is the bottleneck runs behind a full queue (``queued_us`` large); a GPU starved by a
+slow host reaches each span as soon as it is queued (``queued_us`` near 0) and its spans last as long as the
+host takes to enqueue them: such a span is paced by the host, not by the GPU (``scan.compute_rules``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class Span:
     start: Any = None  # host µs (float) or a CUDA event
     end: Any = None
     host: bool = False  # timed on the host clock even on GPUs (data waiting, for example)
+    enqueued: Optional[float] = None  # GPU spans: host µs when the start event was recorded
+    enqueue_end: Optional[float] = None  # ... and the end event
 
 
 class SpanRecorder:
@@ -83,7 +91,14 @@ class SpanRecorder:
             if span.end is None:
                 continue  # opened but never closed (an exception unwound the step)
             start, end = self._host_time(span.start), self._host_time(span.end)
-            events.append(complete(span.name, span.cat, self.rank, span.tid, start, max(end - start, 0.0), span.args))
+            args = span.args
+            if span.enqueued is not None and span.enqueue_end is not None:
+                args = {
+                    **args,
+                    "enqueue_us": round(span.enqueue_end - span.enqueued, 1),
+                    "queued_us": round(start - span.enqueued, 1),
+                }
+            events.append(complete(span.name, span.cat, self.rank, span.tid, start, max(end - start, 0.0), args))
         events.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
         self._spans = []
         return events
@@ -97,11 +112,15 @@ class SpanRecorder:
     def open(self, name: str, cat: str, tid: int, args: Optional[dict[str, Any]] = None, host: bool = False) -> Span:
         span = Span(name, cat, tid, dict(args or {}), host=host)
         span.start = self._stamp(host)
+        if self.use_cuda and not host:
+            span.enqueued = now_us()
         self._spans.append(span)
         return span
 
     def close(self, span: Span) -> None:
         span.end = self._stamp(span.host)
+        if span.enqueued is not None:
+            span.enqueue_end = now_us()
 
     def add(self, name: str, cat: str, tid: int, start_us: float, end_us: float, args: dict[str, Any]) -> None:
         """A span measured elsewhere on the host clock (for example the data wait before a step)."""

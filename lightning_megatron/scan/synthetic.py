@@ -107,6 +107,8 @@ class _Simulation:
         self.rng, self.jitter, self.forward_us = rng, jitter, forward_us
         self.slow_fraction = 1.0
         self.layers_per_stage = 0
+        self.queue: Optional[dict[int, bool]] = None  # GPU queue fields per rank: True = host-paced
+        self.queue_rng = random.Random(4099)  # its own stream: the other draws stay those of traces without it
         self.now: list[float] = [START_US] * world  # true time at which each rank is free
         self.group_seq: dict[tuple[int, ...], int] = {}
         self.counts = {"p2p_pairs": 0, "collectives": 0, "collective_flows": 0}
@@ -128,6 +130,17 @@ class _Simulation:
         if factor != 1.0 and self.slow_fraction < 1.0 and self.rng.random() >= self.slow_fraction:
             return 1.0
         return factor
+
+    def queue_args(self, rank: int, args: dict[str, Any], duration: float) -> dict[str, Any]:
+        """With ``gpu_queue``: what the GPU recorder adds. A host-paced rank's GPU reaches each span as soon as it
+        is queued and the host takes the span's whole length to queue it; a GPU-bound one runs behind a queue
+        of a few milliseconds, queued in a fraction of the time."""
+        if self.queue is None:
+            return args
+        rng = self.queue_rng
+        if self.queue[rank]:
+            return {**args, "queued_us": round(rng.uniform(0.0, 10.0), 1), "enqueue_us": round(duration * 0.97, 1)}
+        return {**args, "queued_us": round(rng.uniform(500.0, 3000.0), 1), "enqueue_us": round(duration * 0.2, 1)}
 
     def layer_spans(self, rank: int, stage: int, direction: str, start: float, end: float, step: int) -> None:
         """``layers_per_stage`` > 0: the span's time in equal attention and MLP parts of the stage's layers (in
@@ -227,7 +240,15 @@ class _Simulation:
                         name = "forward" if op == "F" else "backward"
                         args = {"step": step, "microbatch": mb, "chunk": 0}
                         for r, start in zip(lanes[s], starts):
-                            self.x(r, name, "compute", TID["compute"], start, now[r], args)
+                            self.x(
+                                r,
+                                name,
+                                "compute",
+                                TID["compute"],
+                                start,
+                                now[r],
+                                self.queue_args(r, args, now[r] - start),
+                            )
                             self.layer_spans(r, s, name, start, now[r], step)
                     pointer[s] += 1
                     progressed = True
@@ -247,6 +268,8 @@ def generate_traces(
     slow_links: Optional[dict[tuple[int, int], float]] = None,
     slow_data: Optional[dict[int, float]] = None,
     slow_host: Optional[dict[int, float]] = None,
+    host_paced: Optional[dict[int, float]] = None,
+    gpu_queue: bool = False,
     slow_fraction: float = 1.0,
     slow_step_fraction: float = 1.0,
     slow_from_step: int = 0,
@@ -264,7 +287,10 @@ def generate_traces(
 
     ``slow_ranks`` {rank: compute factor} (``slow_fraction``: of the compute spans hit, at random;
     ``slow_step_fraction``: of the steps hit, at random; ``slow_from_step``: none before it), ``slow_links`` {(src, dst): p2p transfer factor},
-    ``layers_per_stage`` > 0 adds layer spans (``granularity="layer"``);
+    ``layers_per_stage`` > 0 adds layer spans (``granularity="layer"``); ``gpu_queue`` writes the GPU
+    recorder's ``enqueue_us``/``queued_us`` on compute spans (a GPU running behind a full queue), and
+    ``host_paced`` {rank: factor} makes a rank's compute that much longer *because its host is slow*: its GPU
+    reaches each span as soon as it is queued (``queued_us`` near 0);
     ``slow_data`` {rank: data-wait factor}, ``slow_host`` {rank: factor of the host's gap between steps}; ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
     given get 0); by default every rank but 0 gets a random offset within ±50 ms. ``truncate_ranks`` are cut in
     the middle of a line (as by a crash); ``missing_ranks`` are not written at all.
@@ -290,7 +316,11 @@ def generate_traces(
     # local = true - raw[r]; rank 0's clock is the reference, so the offset a rank should report is relative to it.
     truth_offsets = {r: raw[r] - raw[0] for r in range(world)}
     uncertainty = {r: (0.0 if r == 0 else rng.uniform(20.0, 80.0)) for r in range(world)}
-    sim = _Simulation(world, raw, [slow_ranks.get(r, 1.0) for r in range(world)], slow_links, rng, jitter, forward_us)
+    host_paced = dict(host_paced or {})
+    factors = [slow_ranks.get(r, 1.0) * host_paced.get(r, 1.0) for r in range(world)]
+    sim = _Simulation(world, raw, factors, slow_links, rng, jitter, forward_us)
+    if gpu_queue or host_paced:
+        sim.queue = {r: r in host_paced for r in range(world)}
     sim.slow_fraction, sim.layers_per_stage = slow_fraction, layers_per_stage
     now = sim.now
     dp_transfer = 2.0 * (dp - 1) / dp * GRAD_BYTES / DP_BANDWIDTH
