@@ -68,6 +68,22 @@ def cases(forward_s: float) -> list[dict[str, Any]]:
     return out
 
 
+def cpu_peak_gib(step: Any) -> float:
+    """The most memory (GiB) the CPU allocator held at once during ``step()``, above what it held before: every
+    allocation and free the profiler records, summed in time order (CPUs have no ``max_memory_allocated``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    held = peak = 0
+    for _, delta in sorted(
+        (e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage
+    ):
+        held += delta
+        peak = max(peak, held)
+    return peak / 2**30
+
+
 def worker(
     args: argparse.Namespace,
     make_cases: Any = None,
@@ -162,9 +178,17 @@ def worker(
                     results.setdefault(key, []).extend(times[args.warmup :])
                     if on_gpu:
                         peaks[key] = max(peaks.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+                    else:  # CPUs: the allocator's peak during one more (untimed) step, from the profiler
+                        peaks[key] = max(
+                            peaks.get(key, 0.0), cpu_peak_gib(lambda c=case, r=round_: run_case(c, 1, seed=r))
+                        )
                     if rank == 0:
                         print(f"round {round_} {key}: {statistics.median(times[args.warmup :]):.4f} s", flush=True)
             self.plan = plan
+            # every rank's peak: a schedule can move memory from one pipeline rank to another
+            everyone: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, peaks)
+            self.peaks_per_rank = {key: [p.get(key, 0.0) for p in everyone] for key in peaks}
             trainer.should_stop = True
 
     bench = Bench()
@@ -196,14 +220,14 @@ def worker(
     trainer.fit(model, data)
     if rank != 0:
         return
-    report(args, bench.plan, results, peaks, timings, losses, shape, micro_batch, virtual, extra_report)
+    report(args, bench.plan, results, bench.peaks_per_rank, timings, losses, shape, micro_batch, virtual, extra_report)
 
 
 def report(
     args: argparse.Namespace,
     plan: list[dict[str, Any]],
     results: dict[str, list[float]],
-    peaks: dict[str, float],
+    peaks: dict[str, list[float]],
     timings: dict[str, float],
     losses: dict[str, float],
     shape: dict[str, Any],
@@ -230,7 +254,8 @@ def report(
             "speedup_vs_baseline": round(baseline / median, 4),
             "baseline": base_key.split("/")[1],
             "speedup_vs_first_case": round(clean_baseline / median, 4),
-            "peak_memory_gib": round(peaks.get(key, 0.0), 2),
+            "peak_memory_gib": round(max(peaks.get(key, [0.0])), 4),  # the most loaded rank's
+            "peak_memory_gib_per_rank": [round(p, 4) for p in peaks.get(key, [])],
             "predicted_step_s": predict(case, timings, args.microbatches) if calibrate_of(case) else None,
             "loss": losses.get(key),
         }
