@@ -22,6 +22,9 @@ SOURCES = [
     "native/src/shm_channel.cpp",
     "native/src/tcp_channel.cpp",
     "native/src/rdma_channel.cpp",
+    "native/src/ucx_api.cpp",
+    "native/src/ucx_channel.cpp",
+    "native/src/ucx_receive.cpp",
     "native/src/module.cpp",
 ]
 
@@ -62,7 +65,10 @@ setup(
             language="c++",
             extra_compile_args=["-std=c++17", "-O2", "-g0", "-pthread", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-pthread"],
-            libraries=["rt"],
+            # UCX: compiled against the vendored headers, loaded with dlopen at run time (no link, no UCX needed
+            # to build or import; see native/third_party/ucx/README.md).
+            include_dirs=["native/third_party/ucx/include"],
+            libraries=["rt", "dl"],
         )
     ],
     cmdclass={"build_ext": BuildNative},

@@ -3,6 +3,8 @@
     python benchmarks/transport.py                     # CPU: every importable transport + the memcpy reference
     python benchmarks/transport.py --quick             # smoke run: a few sizes, one repeat (seconds)
     python benchmarks/transport.py --transports torch shm --max-size 64MiB
+    python benchmarks/transport.py --transports ucx ucx-cma ucx-tcp shm tcp --max-size 64MiB --repeats 5 \
+        --out benchmarks/results/transport_cpu_ucx.json   # ucx (the ucx extra) beside shm and tcp
     python benchmarks/transport.py --gpu               # 2 GPUs: shm GPU-to-GPU vs NCCL send/recv vs torch over NCCL
     python benchmarks/transport.py --replot benchmarks/results/transport_cpu.json   # redraw the plot only
 
@@ -18,6 +20,9 @@ Each figure is the median of ``--repeats`` runs, after a warm-up run. The refere
 ``dst.copy_(src)`` of preallocated tensors with one thread (same GB/s convention: bytes copied per second; the
 multi-threaded copy is recorded too), the target being ``shm`` at >= 70% of it from 16 MiB up; on GPUs it is NCCL's own send/recv through torch.distributed (receives
 into preallocated buffers), the target being ``shm`` at >= 80% of it from 16 MiB up.
+
+``ucx`` is measured with UCX's own choice of fabric (recorded under ``details``: UCX's version and lanes),
+``ucx-tcp`` with ``UCX_TLS=tcp`` and ``ucx-cma`` with CMA's zero-copy rendezvous (``UCX_CMA_MEMORY_INVALIDATE=y``).
 
 ``torch`` over gloo is the baseline "torch.distributed gloo" (the transport's headers and receive thread
 included). Received tensors are fresh allocations on every transport (the receiver owns them), which costs
@@ -56,7 +61,15 @@ LABELS = {
     "shm": "shm transport",
     "tcp": "tcp transport (loopback)",
     "rdma": "rdma transport",
+    "ucx": "ucx transport (UCX's own choice of fabric)",
+    "ucx-tcp": "ucx transport, UCX_TLS=tcp (loopback)",
+    "ucx-cma": "ucx transport, UCX_CMA_MEMORY_INVALIDATE=y (CMA rendezvous)",
 }
+VARIANTS = {
+    "ucx-tcp": ("ucx", {"ucx_config": {"TLS": "tcp"}}),
+    "ucx-cma": ("ucx", {"ucx_config": {"CMA_MEMORY_INVALIDATE": "y"}}),  # zero-copy CMA rendezvous on one host
+}
+"""Channels that are a transport with settings: name -> (transport, create_transport arguments)."""
 ACK_TAG = 1 << 40
 TIMEOUT = 60.0
 """Seconds a transport may wait for one message before the run counts as failed (no run takes this long)."""
@@ -98,8 +111,16 @@ class TransportChannel:
         from lightning_megatron.transport import create_transport
 
         self.peer = 1 - rank
-        self.transport = create_transport("torch" if name == "torch-nccl" else name, device=device, timeout=TIMEOUT)
+        name, kwargs = VARIANTS.get(name, ("torch" if name == "torch-nccl" else name, {}))
+        self.transport = create_transport(name, device=device, timeout=TIMEOUT, **kwargs)
         self.transport.connect([self.peer])
+        self.details: dict[str, Any] = {}
+        if name == "ucx":  # what UCX chose, for the record
+            self.details = {
+                "ucx_version": self.transport.ucx_version,
+                "lanes": self.transport.transports_to(self.peer),
+                "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+            }
 
     def isend(self, tag: int, tensor: Any) -> Any:
         return self.transport.isend(self.peer, tag, tensor)
@@ -123,6 +144,7 @@ class NcclChannel:
         self.peer = 1 - rank
         self.device = torch.device(device)
         self.buffers: dict[tuple[int, Any], Any] = {}
+        self.details: dict[str, Any] = {}
 
     def isend(self, tag: int, tensor: Any) -> Any:
         import torch.distributed as dist
@@ -233,7 +255,7 @@ def worker(rank: int, port: int, name: str, sizes: list[int], quick: bool, repea
         channel.close()
         dist.barrier()
         dist.destroy_process_group()
-        out.put((rank, True, rows))
+        out.put((rank, True, {"rows": rows, "details": channel.details}))
     except BaseException:  # noqa: BLE001  (report the failure, the parent records it)
         out.put((rank, False, traceback.format_exc()[-3000:]))
 
@@ -269,7 +291,8 @@ def run_pair(name: str, sizes: list[int], quick: bool, repeats: int, gpu: bool, 
             p.kill()
             p.join()
     if len(results) == 2 and all(ok for ok, _ in results.values()):
-        return {"label": LABELS.get(name, name), "results": results[0][1]}
+        entry = {"label": LABELS.get(name, name), "results": results[0][1]["rows"]}
+        return {**entry, "details": results[0][1]["details"]} if results[0][1]["details"] else entry
     errors = [payload for ok, payload in results.values() if not ok] or ["no result (timed out or died)"]
     return {"label": LABELS.get(name, name), "error": errors[0].strip().splitlines()[-1], "traceback": errors[0]}
 
@@ -367,7 +390,7 @@ def importable(name: str) -> Optional[str]:
     from lightning_megatron.transport import transport_class
 
     try:
-        transport_class("torch" if name in ("torch-nccl", "nccl") else name)
+        transport_class("torch" if name in ("torch-nccl", "nccl") else VARIANTS.get(name, (name,))[0])
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -394,7 +417,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     sizes = [s for s in (QUICK_SIZES if args.quick else SIZES) if args.min_size <= s <= args.max_size]
     repeats = args.repeats or (1 if args.quick else 3)
-    names = args.transports or (["nccl", "torch-nccl", "shm"] if args.gpu else ["torch", "shm", "tcp"])
+    from lightning_megatron.transport import available_transports
+
+    cpu_names = ["torch", "shm", "tcp"] + (["ucx"] if "ucx" in available_transports() else [])
+    names = args.transports or (["nccl", "torch-nccl", "shm"] if args.gpu else cpu_names)
     out = args.out or ROOT / "benchmarks" / "results" / f"transport_{'gpu' if args.gpu else 'cpu'}.json"
     started = time.perf_counter()
 
@@ -459,6 +485,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             ),
         }
     )
+    if transports.get("ucx", {}).get("results") and transports.get("shm", {}).get("results"):
+        report["targets"]["ucx >= shm at >= 16 MiB (same host)"] = target(
+            transports, "ucx", transports["shm"]["results"], 1.0
+        )
+    for entry in transports.values():
+        if "ucx_version" in entry.get("details", {}):
+            report["provenance"]["ucx"] = entry["details"]["ucx_version"]
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out} ({report['elapsed_s']} s)")

@@ -2,7 +2,8 @@
 
 Parametrized over :data:`TRANSPORTS`. A transport whose Python module does not exist yet is skipped with a
 TEMPORARY reason (the native ``shm``/``tcp``/``rdma`` are being written); once the module exists, any import
-error fails. ``rdma`` is skipped with the reason the transport gives where it cannot run (no RDMA device).
+error fails. ``rdma`` is skipped with the reason the transport gives where it cannot run (no RDMA device), ``ucx``
+where its extra (UCX's libraries) is not installed.
 The per-rank bodies are in ``transport_cases.py``; peer-death cases run in their own fresh rank pair
 (``may_die``), and the network-namespace case in a pair whose ranks sit in two namespaces joined by a veth pair.
 """
@@ -31,7 +32,8 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.transport import available_transports, create_transport
 from lightning_megatron.transport import header as hdr
 
-TRANSPORTS = ["torch", "shm", "tcp", "rdma", "shm+delay"]
+TRANSPORTS = ["torch", "shm", "tcp", "rdma", "ucx", "shm+delay"]
+OPTIONAL = {"ucx"}  # listed by available_transports() only where its extra is installed
 MODULES = {name: f"lightning_megatron.transport.{'torch_p2p' if name == 'torch' else name}" for name in TRANSPORTS}
 MODULES["shm+delay"] = "lightning_megatron.transport.delay"  # shm behind link jitter (transport_cases.JitteryShm)
 MiB = 1 << 20
@@ -40,9 +42,12 @@ _reasons: dict[str, Optional[str]] = {}
 
 
 def require(name: str, ranks: Any) -> None:
-    """Skip while the transport's module is not written; skip rdma where it says it cannot run."""
+    """Skip while the transport's module is not written; skip rdma where it says it cannot run, ucx where its
+    extra is not installed."""
     if importlib.util.find_spec(MODULES[name]) is None:
         pytest.skip(f"TEMPORARY: {MODULES[name]} does not exist yet (native transports in progress)")
+    if name in OPTIONAL and name not in available_transports():
+        pytest.skip(f"{name} is not installed here: pip install 'lightning-megatron[{name}]'")
     if name == "rdma":
         if name not in _reasons:
             _reasons[name] = next((r for r in ranks.run(2, tc.probe, name, timeout=60) if r), None)
@@ -147,7 +152,8 @@ def test_peer_death(transport: str, tmp_path: Path) -> None:
         survivor, victim = group.run(tc.peer_death, transport, may_die={1}, timeout=90)
     finally:
         group.shutdown(kill=True)
-    left = sorted(set(os.listdir("/dev/shm")) - before)
+    # multiprocessing's named semaphores (sem.mp-*) belong to whatever other Python process runs on the machine
+    left = sorted(name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.mp-"))
     assert not left, f"shared memory left behind in /dev/shm: {left}"
     assert victim is None, "rank 1 was meant to die"
     assert survivor["recv"] == "PeerLost", survivor
@@ -165,7 +171,7 @@ def test_peer_death(transport: str, tmp_path: Path) -> None:
 
 
 def test_unknown_transport_name() -> None:
-    assert set(TRANSPORTS) <= set(available_transports())
+    assert set(TRANSPORTS) - OPTIONAL <= set(available_transports())
     with pytest.raises(MegatronConfigError, match="carrier-pigeon.*choose one of.*torch"):
         create_transport("carrier-pigeon")
 
@@ -249,6 +255,7 @@ def test_torch_over_nccl() -> None:
 # -- TCP between two network namespaces -------------------------------------------------------------------------
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS, MS_REC, MS_SLAVE, MNT_DETACH = 0x00020000, 0x4000, 0x80000, 2
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -284,7 +291,10 @@ def veth_namespaces() -> Iterator[tuple[list[str], list[str], list[str]]]:
         _ip("link", "del", veths[0])  # only there if it never moved into its namespace
 
 
-def _enter_netns(name: str) -> None:
+def _enter_netns(name: str, own_sysfs: bool = False) -> None:
+    """Join network namespace ``name``. ``own_sysfs``: also show its interfaces in /sys/class/net, as ``ip netns
+    exec`` does (a private mount namespace with sysfs mounted again): UCX lists network devices from there, and a
+    real second host has its own /sys."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
@@ -292,6 +302,16 @@ def _enter_netns(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
     finally:
         os.close(fd)
+    if own_sysfs:
+        steps = [
+            lambda: libc.unshare(CLONE_NEWNS),
+            lambda: libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None),  # nothing leaks back to the host
+            lambda: libc.umount2(b"/sys", MNT_DETACH),
+            lambda: libc.mount(name.encode(), b"/sys", b"sysfs", 0, None),
+        ]
+        for step in steps:
+            if step() != 0:
+                raise OSError(ctypes.get_errno(), f"cannot mount a sysfs of network namespace {name}")
 
 
 def _tx_bytes(namespace: str, dev: str) -> int:
@@ -299,15 +319,17 @@ def _tx_bytes(namespace: str, dev: str) -> int:
     return int(json.loads(result.stdout)[0]["stats64"]["tx"]["bytes"])
 
 
-@pytest.mark.parametrize("name", ["tcp", "torch"])
+@pytest.mark.parametrize("name", ["tcp", "torch", "ucx"])
 def test_across_network_namespaces(name: str, ranks: Any, tmp_path: Path) -> None:
-    """One rank in each of two network namespaces: the store and the transport cross the veth pair."""
+    """One rank in each of two network namespaces: the store and the transport cross the veth pair (ucx: over
+    TCP, as between two hosts without InfiniBand; UCX's shared memory cannot cross network namespaces anyway)."""
     require(name, ranks)
     with veth_namespaces() as (names, veths, addrs):
 
         def enter(rank: int) -> dict[str, str]:  # runs in the forked rank, before anything opens a socket
-            _enter_netns(names[rank])
-            return {"MASTER_ADDR": addrs[0], "GLOO_SOCKET_IFNAME": veths[rank], "LM_TEST_NETNS": names[rank]}
+            _enter_netns(names[rank], own_sysfs=name == "ucx")
+            env = {"MASTER_ADDR": addrs[0], "GLOO_SOCKET_IFNAME": veths[rank], "LM_TEST_NETNS": names[rank]}
+            return {**env, "UCX_TLS": "tcp"} if name == "ucx" else env
 
         sent_before = _tx_bytes(names[0], veths[0])
         group = WorkerGroup(2, tmp_path, rank_setup=enter)

@@ -1,4 +1,4 @@
-"""What is specific to the native transports (``shm``, ``tcp``, ``rdma``); the common semantics are in
+"""What is specific to the native transports (``shm``, ``tcp``, ``rdma``, ``ucx``); the common semantics are in
 ``test_transport.py``. Real forked processes (``ranks``), no mocks: shared-memory names are unlinked once both
 sides have mapped them (and stay gone when a peer is SIGKILLed mid-transfer), rings wrap and stream messages
 larger than themselves, the receive pool reuses its buffers, a TCP listener drops connections without the token,
@@ -24,7 +24,13 @@ import torch.distributed as dist
 from distributed import WorkerGroup
 
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.transport import PeerLost, TransportError, TransportTimeout, create_transport
+from lightning_megatron.transport import (
+    PeerLost,
+    TransportError,
+    TransportTimeout,
+    available_transports,
+    create_transport,
+)
 from lightning_megatron.transport import header as hdr
 
 native = pytest.importorskip("lightning_megatron.transport.native", reason="native extension not built")
@@ -427,7 +433,15 @@ def _control_and_interrupt(name: str) -> dict[str, Any]:
         t.close()
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp"])
+# ucx where its extra is installed (tests/test_transport_ucx.py has the rest of what is specific to it).
+NATIVE = [
+    "shm",
+    "tcp",
+    pytest.param("ucx", marks=pytest.mark.skipif("ucx" not in available_transports(), reason="UCX not installed")),
+]
+
+
+@pytest.mark.parametrize("name", NATIVE)
 def test_control_messages_and_ctrl_c(ranks: Any, name: str) -> None:
     for rank_out in ranks.run(2, _control_and_interrupt, name):
         for out in rank_out.values():
@@ -460,7 +474,7 @@ def _fork_leaves_parent_alone(name: str) -> list[Any]:
         t.close()
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp"])
+@pytest.mark.parametrize("name", NATIVE)
 def test_fork_child_leaves_the_parents_transport_alone(name: str) -> None:
     # Fresh ranks: the child collects garbage. Forked from ranks that had run the whole suite's earlier cases it
     # died with SIGSEGV in CI while collecting their leftovers (it passes on ranks that ran only transport cases).

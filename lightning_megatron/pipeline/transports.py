@@ -32,11 +32,17 @@ def check_keys(schedule: str, raw: Mapping[str, Any], options_class: type) -> No
 
 
 def check_transport_settings(transport: str, transport_options: Any) -> None:
-    from lightning_megatron.transport import available_transports
+    from lightning_megatron.transport import available_transports, missing_extra
 
     if transport != "auto" and transport not in available_transports():
+        extra = missing_extra(transport)
         raise MegatronConfigError(
-            f"schedule_options.transport={transport!r}: choose 'auto' or one of {', '.join(available_transports())}."
+            f"schedule_options.transport={transport!r}: "
+            + (
+                f"not installed here: {extra}."
+                if extra
+                else f"choose 'auto' or one of {', '.join(available_transports())}."
+            )
         )
     if not isinstance(transport_options, Mapping):
         raise MegatronConfigError("schedule_options.transport_options must be a mapping of transport arguments.")

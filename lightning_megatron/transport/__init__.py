@@ -7,8 +7,12 @@
 ``torch``  torch.distributed isend/irecv (NCCL or gloo) with a tag header: works everywhere, the default
 ``shm``    lock-free rings in POSIX shared memory, one per ordered pair of ranks on a node (native extension)
 ``tcp``    non-blocking sockets between hosts, addresses exchanged through the rendezvous store (native)
-``rdma``   ibverbs RC queue pairs with receive credits (native; compiled where rdma-core headers exist)
+``rdma``   ibverbs RC queue pairs with receive credits (native; compiled where rdma-core exists; never run)
+``ucx``    UCX active messages, UCX picking the fabric (shared memory, TCP; IB with a UCX built for it)
 ========  ==================================================================================================
+
+``ucx`` needs UCX's libraries (the ``ucx`` extra): ``available_transports()`` lists it only where they are found
+(not loaded), and ``missing_extra("ucx")`` says what to install where they are not.
 
 Implementations are imported when first asked for, so importing this package never loads the extension.
 
@@ -19,7 +23,11 @@ late, reproducibly, while the sender goes on (for evaluating schedules on slow o
 
 from __future__ import annotations
 
+import ctypes.util
+import functools
 import importlib
+import importlib.util
+import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -38,6 +46,8 @@ __all__ = [
     "TransportTimeout",
     "available_transports",
     "create_transport",
+    "find_libucp",
+    "missing_extra",
     "register_transport",
 ]
 
@@ -46,6 +56,7 @@ _BUILTIN = {
     "shm": "lightning_megatron.transport.shm:ShmTransport",
     "tcp": "lightning_megatron.transport.tcp:TcpTransport",
     "rdma": "lightning_megatron.transport.rdma:RdmaTransport",
+    "ucx": "lightning_megatron.transport.ucx:UcxTransport",
 }
 _REGISTRY: dict[str, Any] = dict(_BUILTIN)
 
@@ -55,8 +66,32 @@ def register_transport(name: str, cls: type[Transport]) -> None:
     _REGISTRY[name] = cls
 
 
+@functools.lru_cache(maxsize=1)
+def find_libucp() -> Optional[str]:
+    """Where UCX's ``libucp`` is, without loading it (nor the native extension): the ``libucx`` wheel's copy (the
+    ``ucx`` extra), else a system UCX's soname; None if neither. ``transport.ucx.load_ucx`` loads it."""
+    spec = importlib.util.find_spec("libucx")
+    if spec is not None and spec.origin:
+        path = os.path.join(os.path.dirname(spec.origin), "lib", "libucp.so")
+        if os.path.exists(path):
+            return path
+    return ctypes.util.find_library("ucp")
+
+
+_INSTALLED = {"ucx": lambda: find_libucp() is not None}
+"""Built-in transports that need an optional dependency (the extra of the same name): listed by
+``available_transports`` only where it is installed."""
+
+
+def missing_extra(name: str) -> Optional[str]:
+    """The command that installs what transport ``name`` needs, where that is missing; else None."""
+    if name in _INSTALLED and not _INSTALLED[name]():
+        return f"pip install 'lightning-megatron[{name}]'"
+    return None
+
+
 def available_transports() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(name for name in _REGISTRY if name not in _INSTALLED or _INSTALLED[name]())
 
 
 def transport_class(name: str) -> type[Transport]:

@@ -12,6 +12,7 @@
 #include "ring.h"
 #include "shm_channel.h"
 #include "tcp_channel.h"
+#include "ucx_channel.h"
 
 namespace py = pybind11;
 using namespace lmt;
@@ -74,7 +75,7 @@ const uint8_t* as_ptr(uintptr_t address) { return reinterpret_cast<const uint8_t
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "lightning_megatron's native tensor transports (shared memory, TCP, RDMA); see native/README.md";
+  m.doc() = "lightning_megatron's native tensor transports (shared memory, TCP, RDMA, UCX); see native/README.md";
   m.attr("HAVE_IBVERBS") = rdma_compiled();
   m.attr("FRAME_BYTES") = 24;
 
@@ -224,6 +225,39 @@ PYBIND11_MODULE(_native, m) {
       .def("wait_connected", [](TcpEngine& e, int peer, double timeout) {
         return blocking(timeout, [&](double s) { return e.wait_connected(peer, s); });
       });
+
+  m.def("ucx_load", &ucx_load, py::arg("libucp"), py::call_guard<py::gil_scoped_release>(),
+        "dlopen libucp (path or soname) once per process and resolve the UCP API; returns UCX's version.");
+  m.def("ucx_loaded", &ucx_loaded);
+
+  py::class_<UcxEngine, Engine, std::shared_ptr<UcxEngine>>(m, "UcxEngine")
+      .def(py::init([](const std::string& label, int rank, int world, size_t pool_bytes, double spin_seconds,
+                       double close_timeout, const std::vector<std::tuple<std::string, std::string, bool>>& config) {
+             UcxOptions o;
+             o.pool_bytes = pool_bytes;
+             o.spin_seconds = spin_seconds;
+             o.close_timeout = close_timeout;
+             for (const auto& [name, value, required] : config) o.config.push_back({name, value, required});
+             return std::make_shared<UcxEngine>(label, rank, world, o);
+           }),
+           py::arg("label"), py::arg("rank"), py::arg("world_size"), py::arg("pool_bytes"), py::arg("spin_seconds"),
+           py::arg("close_timeout"), py::arg("config"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("address", [](UcxEngine& e) { return py::bytes(e.address()); })
+      .def_property_readonly("max_am_header", &UcxEngine::max_am_header)
+      .def(
+          "connect_peer",
+          [](UcxEngine& e, int peer, py::bytes address, int pid, double timeout) {
+            std::string a = address;
+            py::gil_scoped_release release;
+            e.connect_peer(peer, a, pid, timeout);
+          },
+          py::arg("peer"), py::arg("address"), py::arg("pid"), py::arg("timeout"))
+      .def("wait_connected",
+           [](UcxEngine& e, int peer, double timeout) {
+             return blocking(timeout, [&](double s) { return e.wait_connected(peer, s); });
+           })
+      .def("transports", &UcxEngine::transports, py::arg("peer"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<RdmaEngine, Engine, std::shared_ptr<RdmaEngine>>(m, "RdmaEngine")
       .def(py::init([](const std::string& label, int rank, int world, size_t pool_bytes, const std::string& device,
