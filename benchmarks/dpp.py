@@ -101,6 +101,7 @@ def worker(
     from lightning_megatron.models import GPTModule
     from lightning_megatron.pipeline import get_schedule
     from lightning_megatron.pipeline.registry import ScheduleContext
+    from lightning_megatron.pipeline.wgrad import split_linears
     from lightning_megatron.scan.inject import SlowdownInjector
 
     on_cpu = args.cpu_dry_run or args.cpu
@@ -138,6 +139,8 @@ def worker(
                     injector = SlowdownInjector([case["slow_rank"]], case["factor"])
                     injector.setup(trainer, pl_module, "fit")
                 old, strategy._session = strategy._session, session(case["schedule"], options)
+                # gradient_accumulation_fusion for this case only (what the strategy's argument installs)
+                fused = split_linears(strategy.wrapped_chunks) if case.get("fused_wgrad") else None
                 times = []
                 try:
                     for _ in range(steps):
@@ -152,6 +155,8 @@ def worker(
                         timings["forward_s"] = learned.forward_s
                         timings["backward_s"] = learned.backward_s
                 finally:
+                    if fused is not None:
+                        fused.restore()
                     strategy._session.close()
                     strategy._session = old
                     if injector is not None:

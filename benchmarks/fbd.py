@@ -7,9 +7,12 @@
 The machinery is ``benchmarks/dpp.py``'s (one model, every case alternated in rounds within one launch, median
 step time of ``strategy.forward_backward``, peak GPU memory, the loss of each case on the same batch). Cases:
 
-* PP2: ``1f1b`` (megatron-core, NCCL; the baseline), ``zb-h1`` (1F1B's order with B and W split, W run in what
+* PP2: ``1f1b`` (megatron-core, NCCL; the baseline), ``1f1b+fusion`` (the same with
+  ``gradient_accumulation_fusion``: the weight-gradient GEMM accumulating into fp32 ``main_grad``, which ``zb-h1``'s
+  W tasks use too, so the two effects can be told apart), ``zb-h1`` (1F1B's order with B and W split, W run in what
   would be waits, pending Ws bounded by the memory rule of ``pipeline/dpp/schedule.py``: activations + pending Ws
-  within the first rank's 1F1B peak), and ``zb-h1`` with no W deferred (W right after its B: the split's own cost,
+  within the first rank's 1F1B peak), ``zb-h1-own-rank`` (each rank within its own 1F1B peak), and ``zb-h1`` with no
+  W deferred (W right after its B: the split's own cost,
   without the reordering);
 * ``--vpp 2`` (PP2 × VPP2): ``interleaved`` (the baseline) and ``dpp`` static with ``split_weight_grads``.
 
@@ -37,7 +40,15 @@ from dpp import worker  # noqa: E402  (benchmarks/ is the script's directory)
 def zb_cases(forward_s: float) -> list[dict[str, Any]]:
     return [
         dict(name="1f1b", condition="clean", schedule="1f1b", options={}, baseline="1f1b"),
+        dict(name="1f1b+fusion", condition="clean", schedule="1f1b", options={}, baseline="1f1b", fused_wgrad=True),
         dict(name="zb-h1", condition="clean", schedule="zb-h1", options={}, baseline="1f1b"),
+        dict(
+            name="zb-h1-own-rank",
+            condition="clean",
+            schedule="zb-h1",
+            options={"weight_grad_memory": "own-rank"},
+            baseline="1f1b",
+        ),
         dict(
             name="zb-h1-no-defer",
             condition="clean",
@@ -58,15 +69,18 @@ def vpp_cases(forward_s: float) -> list[dict[str, Any]]:
 
 def theory(microbatches: int, virtual: Any):  # noqa: ANN201
     def extra(rows: list[dict[str, Any]], timings: dict[str, float]) -> dict[str, Any]:
+        from lightning_megatron.pipeline.wgrad import fused_accumulation_status
+
         stages = 2
         return {
+            "fused_wgrad_gemm": fused_accumulation_status(),  # available: False (and why) if it fell back
             "theory": {
                 "bubble_fraction_1f1b": round((stages - 1) / (microbatches + stages - 1), 4),
                 "zb_h1_over_1f1b_bound": round(3 * (microbatches + stages - 1) / (3 * microbatches + stages - 1), 4)
                 if virtual is None
                 else None,
                 "model": "1F1B (M+P-1)(F+B+W); ZB-H1 M(F+B+W) + (P-1)(F+B-W); B = W = F",
-            }
+            },
         }
 
     return extra

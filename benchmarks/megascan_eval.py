@@ -16,10 +16,12 @@ end with its default thresholds. Cases, each ``--runs`` times, the faulted rank 
 * ``link-delay`` (PP2 only): pipeline messages from rank 0 to rank 1 arrive later, about 25% of a clean step per
   step (``scan.inject.LinkDelayInjector``).
 
-Scoring (``score``): a fault *slows the job* when its median step time is ≥ 10% above the clean runs'. For those,
-recall is the fraction of runs naming the faulted rank (for the link: its sender) with an expected kind; a
-fault that does not slow the job must name nothing. Precision: right suspects over all suspects of the case's
-runs. Clean runs must name nothing. Every run's suspects are kept, so what was named instead is visible.
+Scoring (``score``): a fault *slows the job* when its median step time (from one step's end to the next, the
+fetch included) is ≥ 10% above the clean runs'. For those, recall is the fraction of runs naming the faulted rank
+(for the link: its sender) with an expected kind. A fault below that bar may be named rightly (it does cost
+time: the mild loader about 2% of a step) and is counted apart (``runs_naming_it_rightly``); any other suspect
+of a faulted run is a wrong one (``runs_with_a_wrong_suspect``). Precision: right suspects over all suspects of
+the case's runs. Clean runs must name nothing. Every run's suspects are kept, so what was named is visible.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +49,7 @@ LAYOUTS = {
     "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "pp2": {"pipeline_model_parallel_size": 2},
 }
+GRANULARITY = {"pp2": "layer"}  # stages alone in their stage are compared on layer parts (MegaScan's advice)
 EXPECTED = {  # the kinds that name a fault rightly
     "gpu-contention": {"compute"},
     "gpu-contention-bursty": {"compute"},
@@ -67,12 +71,14 @@ def cases(layout: str, gpu: bool) -> list[str]:
     return names
 
 
-def _callbacks(case: str, rank: int, step_ms: float, trace_dir: Path, micro_batch: int) -> tuple[list, Any]:
+def _callbacks(
+    case: str, rank: int, step_ms: float, trace_dir: Path, micro_batch: int, granularity: str
+) -> tuple[list, Any]:
     """The MegaScan callback, the fault's callbacks, and a dataset wrapper for the loader faults."""
     from lightning_megatron.scan import LinkDelayInjector, MegaScan
     from lightning_megatron.scan.faults import CompetingProcess, SlowDataset
 
-    callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=2)]
+    callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=2, granularity=granularity)]
     wrap = None
     if case == "gpu-contention":
         callbacks.append(CompetingProcess([rank], kind="gpu"))
@@ -96,44 +102,56 @@ def _worker(spec: dict[str, Any]) -> None:
     records: list[dict[str, Any]] = []
     workdir = Path(spec["workdir"])
     clean_ms: list[float] = []
-    for case in cases(spec["layout_name"], spec["accelerator"] == "gpu"):
-        for i in range(runs):
-            rank = 0 if case == "link-delay" else i % 2
-            step_ms = statistics.median(clean_ms) if clean_ms else 100.0
-            callbacks, wrap = _callbacks(case, rank, step_ms, workdir / f"{case}-{i}", spec["micro_batch_size"])
-            started = time.perf_counter()
-            times = fit_once(spec, callbacks, steps, wrap_dataset=wrap)
-            median_ms = 1000 * statistics.median(times[2:])
-            if case == "clean":
-                clean_ms.append(median_ms)
-            report = callbacks[0].report
-            records.append(
-                {
-                    "case": case,
-                    "run": i,
-                    "faulted_rank": None if case == "clean" else rank,
-                    "step_ms": round(median_ms, 3),
-                    "seconds": round(time.perf_counter() - started, 1),
-                    "suspects": [
-                        {
-                            "rank": s.rank,
-                            "kind": s.kind,
-                            "slowdown": s.slowdown,
-                            "impact_ms": round(s.impact_ms, 3),
-                            "rule": s.evidence.get("rule", "per-op medians"),
-                        }
-                        for s in (report.suspects if report is not None else [])
-                    ],
-                }
-            )
+    plan = [(case, i) for i in range(runs) for case in cases(spec["layout_name"], spec["accelerator"] == "gpu")]
+    # Round by round (each round's clean run first: the faults' sizes come from the clean runs so far), so a
+    # deadline cuts every case alike and slow drift of the machine falls on every case alike.
+    for case, i in plan:
+        # Past the deadline no new fit starts (rank 0 decides for both, so neither waits on the other; the
+        # process group exists from the first fit on).
+        late = [bool(records) and spec.get("deadline") is not None and time.time() > spec["deadline"]]
+        if records:
+            dist.broadcast_object_list(late, src=0)
+        if late[0]:
             if dist.get_rank() == 0:
-                print(
-                    f"{spec['layout_name']} {case} run {i}: step {median_ms:.1f} ms, named "
-                    f"{[(s['rank'], s['kind']) for s in records[-1]['suspects']]}",
-                    flush=True,
-                )
-    if dist.get_rank() == 0:
-        Path(spec["result"]).write_text(json.dumps(records))
+                print(f"{spec['layout_name']}: deadline reached, {len(records)} of {len(plan)} runs made", flush=True)
+            break
+        rank = 0 if case == "link-delay" else i % 2
+        step_ms = statistics.median(clean_ms) if clean_ms else 100.0
+        callbacks, wrap = _callbacks(
+            case, rank, step_ms, workdir / f"{case}-{i}", spec["micro_batch_size"], spec["granularity"]
+        )
+        started = time.perf_counter()
+        times = fit_once(spec, callbacks, steps, wrap_dataset=wrap, wall=True)  # fetches included
+        median_ms = 1000 * statistics.median(times[1:])
+        if case == "clean":
+            clean_ms.append(median_ms)
+        report = callbacks[0].report
+        records.append(
+            {
+                "case": case,
+                "run": i,
+                "faulted_rank": None if case == "clean" else rank,
+                "step_ms": round(median_ms, 3),
+                "seconds": round(time.perf_counter() - started, 1),
+                "suspects": [
+                    {
+                        "rank": s.rank,
+                        "kind": s.kind,
+                        "slowdown": s.slowdown,
+                        "impact_ms": round(s.impact_ms, 3),
+                        "rule": s.evidence.get("rule", "per-op medians"),
+                    }
+                    for s in (report.suspects if report is not None else [])
+                ],
+            }
+        )
+        if dist.get_rank() == 0:
+            print(
+                f"{spec['layout_name']} {case} run {i}: step {median_ms:.1f} ms, named "
+                f"{[(s['rank'], s['kind']) for s in records[-1]['suspects']]}",
+                flush=True,
+            )
+            Path(spec["result"]).write_text(json.dumps(records))  # after every run: a cut-off launch keeps them
 
 
 def score(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,7 +164,7 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
         slowdown = statistics.median(r["step_ms"] for r in group) / base - 1.0 if base else None
         named = [s for r in group for s in r["suspects"]]
         entry: dict[str, Any] = {"runs": len(group), "job_slowdown": None if slowdown is None else round(slowdown, 4)}
-        if case == "clean" or (slowdown is not None and slowdown < SLOWS_THE_JOB):
+        if case == "clean":
             entry["must_name_nothing"] = True
             entry["runs_with_a_suspect"] = sum(bool(r["suspects"]) for r in group)
         else:
@@ -154,10 +172,16 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
                 sum(1 for s in r["suspects"] if s["rank"] == r["faulted_rank"] and s["kind"] in EXPECTED[case])
                 for r in group
             ]
-            entry["recall"] = round(sum(bool(n) for n in right) / len(group), 3)
-            entry["rank_found_any_kind"] = round(
-                sum(any(s["rank"] == r["faulted_rank"] for s in r["suspects"]) for r in group) / len(group), 3
-            )
+            wrong = [len(r["suspects"]) - n for r, n in zip(group, right)]
+            if slowdown is not None and slowdown >= SLOWS_THE_JOB:
+                entry["recall"] = round(sum(bool(n) for n in right) / len(group), 3)
+                entry["rank_found_any_kind"] = round(
+                    sum(any(s["rank"] == r["faulted_rank"] for s in r["suspects"]) for r in group) / len(group), 3
+                )
+            else:  # below the bar: naming it rightly is allowed, anything else is a false alarm
+                entry["slows_the_job_less_than_bar"] = True
+                entry["runs_naming_it_rightly"] = sum(bool(n) for n in right)
+            entry["runs_with_a_wrong_suspect"] = sum(bool(n) for n in wrong)
             entry["precision"] = round(sum(right) / len(named), 3) if named else None
         kinds: dict[str, int] = {}
         for s in named:
@@ -172,11 +196,12 @@ def _launch(spec: dict[str, Any]) -> dict[str, Any]:
     command += [__file__, "--worker-spec", json.dumps(spec)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     sys.stdout.write("\n".join(line for line in proc.stdout.splitlines() if " run " in line) + "\n")
-    if proc.returncode != 0 or not Path(spec["result"]).exists():
+    runs = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else []
+    if proc.returncode != 0 or not runs:
         log = proc.stdout + proc.stderr
         first = log.find("Traceback (most recent call last)")
-        return {"error": f"exit {proc.returncode}", "first_traceback": log[first : first + 4000]}
-    return {"runs": json.loads(Path(spec["result"]).read_text())}
+        return {"error": f"exit {proc.returncode}", "first_traceback": log[first : first + 4000], "runs": runs}
+    return {"runs": runs}
 
 
 def main() -> int:
@@ -188,6 +213,11 @@ def main() -> int:
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium")
     parser.add_argument("--cpu", action="store_true", help="gloo processes and a tiny model (no GPU faults)")
+    parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
+    parser.add_argument(
+        "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
+    )
+    parser.add_argument("--append", action="store_true", help="keep the layouts already in --out (other launches)")
     args = parser.parse_args()
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))
@@ -207,21 +237,30 @@ def main() -> int:
     result: dict[str, Any] = {"what": "MegaScan detection against outside faults", **provenance(), "command": command}
     result.update({k: v for k, v in base.items() if k != "devices"})
     result["layouts"] = {}
+    if args.append and args.out.exists():
+        previous = json.loads(args.out.read_text())
+        result["layouts"] = previous["layouts"]
+        result["commands"] = previous.get("commands", [previous["command"]]) + [command]
+    began = time.time()
     with tempfile.TemporaryDirectory() as workdir:
-        for name in args.layouts:
+        for k, name in enumerate(args.layouts):
             layout = LAYOUTS[name]
             dp = 2 if not layout else 1
             spec = {
                 **base,
                 "layout": layout,
                 "layout_name": name,
+                "granularity": GRANULARITY.get(name, "stage"),
                 "micro_batch_size": base["micro_batch_size"],
                 "global_batch_size": base["micro_batch_size"] * MICROBATCHES * dp,
                 "workdir": f"{workdir}/{name}",
                 "result": f"{workdir}/{name}.json",
+                "deadline": began + args.budget_s * (k + 1) / len(args.layouts) if args.budget_s else None,
             }
             outcome = _launch(spec)
-            if "runs" in outcome:
+            if args.keep_traces:
+                shutil.copytree(spec["workdir"], args.keep_traces / name, dirs_exist_ok=True)
+            if outcome["runs"]:
                 outcome["score"] = score(outcome["runs"])
                 print(json.dumps({name: outcome["score"]}, indent=1), flush=True)
             result["layouts"][name] = outcome

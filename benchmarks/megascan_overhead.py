@@ -46,9 +46,12 @@ CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, nu
 FACTORS = [1.1, 1.2, 1.5]
 
 
-def fit_once(spec: dict[str, Any], callbacks: list, steps: int, wrap_dataset: Any = None) -> list[float]:
+def fit_once(
+    spec: dict[str, Any], callbacks: list, steps: int, wrap_dataset: Any = None, wall: bool = False
+) -> list[float]:
     """One Trainer.fit; per-step seconds (after a synchronize at both ends of each step). ``wrap_dataset``:
-    applied to the training set (``scan.faults.SlowDataset``)."""
+    applied to the training set (``scan.faults.SlowDataset``). ``wall``: the seconds from one step's end to the
+    next's instead, the fetch of the batch included (what a slow data loader lengthens)."""
     import lightning.pytorch as pl
     import torch
 
@@ -57,6 +60,7 @@ def fit_once(spec: dict[str, Any], callbacks: list, steps: int, wrap_dataset: An
     from lightning_megatron.models import GPTModule
 
     times: list[float] = []
+    ends: list[float] = []
 
     class StepTimer(pl.Callback):
         def on_train_batch_start(self, *args: Any) -> None:
@@ -67,7 +71,8 @@ def fit_once(spec: dict[str, Any], callbacks: list, steps: int, wrap_dataset: An
         def on_train_batch_end(self, *args: Any) -> None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.start)
+            ends.append(time.perf_counter())
+            times.append(ends[-1] - self.start)
 
     model = spec["model"]
     gbs = spec["global_batch_size"]
@@ -101,6 +106,8 @@ def fit_once(spec: dict[str, Any], callbacks: list, steps: int, wrap_dataset: An
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if wall:
+        return [b - a for a, b in zip(ends, ends[1:])]
     return times
 
 

@@ -165,7 +165,10 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
         devices=gpus,
         precision="bf16-mixed",
         strategy=MegatronAppStrategy(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=m["micro_batch_size"]
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            micro_batch_size=m["micro_batch_size"],
+            **(spec.get("strategy_options") or {}),
         ),
         max_steps=steps,
         logger=False,
@@ -414,6 +417,11 @@ def main() -> int:
     parser.add_argument(
         "--overrides", type=json.loads, help="TransformerConfig fields (JSON) for the strategy and mcore runners"
     )
+    parser.add_argument(
+        "--strategy-options",
+        type=json.loads,
+        help='MegatronAppStrategy arguments (JSON) for the strategy runners, e.g. {"gradient_accumulation_fusion": true}',
+    )
     parser.add_argument("--label", default="", help="suffix of the run names, e.g. for runs with --overrides")
     args = parser.parse_args()
     if args.worker_spec:
@@ -441,6 +449,7 @@ def main() -> int:
         "accelerator": accelerator,
         "profile": str(args.profile) if args.profile else None,
         "overrides": args.overrides,
+        "strategy_options": args.strategy_options,
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in models.items():
@@ -453,6 +462,8 @@ def main() -> int:
                     result = _launch(name, layout, runner, model, Path(tmp), options)
                     if args.overrides and not runner.startswith("hf"):
                         result["overrides"] = args.overrides
+                    if args.strategy_options and runner.startswith("strategy"):
+                        result["strategy_options"] = args.strategy_options
                     report["runs"][f"{name}/{layout}/{runner}{args.label}"] = result
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(report, indent=1))

@@ -5,7 +5,7 @@
     python benchmarks/transport.py --transports torch shm --max-size 64MiB
     python benchmarks/transport.py --transports ucx ucx-cma ucx-tcp shm tcp --max-size 64MiB --repeats 5 \
         --out benchmarks/results/transport_cpu_ucx.json   # ucx (the ucx extra) beside shm and tcp
-    python benchmarks/transport.py --gpu               # 2 GPUs: shm GPU-to-GPU vs NCCL send/recv vs torch over NCCL
+    python benchmarks/transport.py --gpu               # 2 GPUs: shm (and ucx) GPU-to-GPU vs NCCL send/recv vs torch over NCCL
     python benchmarks/transport.py --replot benchmarks/results/transport_cpu.json   # redraw the plot only
 
 Per transport and message size (4 KiB ... 256 MiB, powers of 4):
@@ -396,11 +396,20 @@ def importable(name: str) -> Optional[str]:
     return None
 
 
+def ucx_moves_cuda() -> bool:
+    """Whether the ``ucx`` transport has its CUDA path here (UCX's CUDA modules; checked without loading UCX)."""
+    from lightning_megatron.transport import transport_class
+
+    return "cuda" in transport_class("ucx").devices
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="2 GPUs of this host: shm and torch-nccl vs NCCL")
     parser.add_argument("--quick", action="store_true", help="a few sizes, one repeat: a smoke run")
-    parser.add_argument("--transports", nargs="+", help="default: CPU torch shm tcp; GPU nccl torch-nccl shm")
+    parser.add_argument(
+        "--transports", nargs="+", help="default: CPU torch shm tcp (ucx); GPU nccl torch-nccl shm (ucx)"
+    )
     parser.add_argument("--min-size", type=parse_size, default=4 * KiB)
     parser.add_argument("--max-size", type=parse_size, default=256 * MiB)
     parser.add_argument("--repeats", type=int, help="runs per figure, median reported (default 3; quick 1)")
@@ -420,7 +429,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     from lightning_megatron.transport import available_transports
 
     cpu_names = ["torch", "shm", "tcp"] + (["ucx"] if "ucx" in available_transports() else [])
-    names = args.transports or (["nccl", "torch-nccl", "shm"] if args.gpu else cpu_names)
+    gpu_names = ["nccl", "torch-nccl", "shm"] + (["ucx"] if "ucx" in cpu_names and ucx_moves_cuda() else [])
+    names = args.transports or (gpu_names if args.gpu else cpu_names)
     out = args.out or ROOT / "benchmarks" / "results" / f"transport_{'gpu' if args.gpu else 'cpu'}.json"
     started = time.perf_counter()
 

@@ -130,3 +130,22 @@ def traced(trace_dir: str, **strategy: Any) -> dict[str, Any]:
 
     scan = MegaScan(trace_dir, interval=1, window=1, detect=False)
     return fit_recording(2, steps=3, callbacks=[scan], **strategy)
+
+
+class _FusedLayers(pl.Callback):
+    """How many linear layers ``gradient_accumulation_fusion`` gave the project's backward, seen during the fit."""
+
+    def __init__(self) -> None:
+        self.count: Optional[int] = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        fused = trainer.strategy._fused_linears
+        self.count = None if fused is None else len(fused.modules)
+
+
+def fit_fused_layers(world_size: int, **strategy: Any) -> dict[str, Any]:
+    """``fit_recording`` plus the number of linear layers that ran the project's weight-gradient path."""
+    counter = _FusedLayers()
+    result = fit_recording(world_size, callbacks=[counter], **strategy)
+    result["fused_layers"] = counter.count
+    return result

@@ -20,6 +20,7 @@ def fit_with_logger(
     trace_dir: Optional[str] = None,
     profile_steps: Optional[list[int]] = None,
     version_per_rank: bool = False,
+    profiler: Optional[str] = None,
 ) -> dict[str, Any]:
     """A 2-rank PP2 fit of 4 steps under MegaScan with a ``"tensorboard"`` or ``"csv"`` logger saving under
     ``root/runs`` (None: no logger, ``default_root_dir=root``); returns where MegaScan put its files.
@@ -31,7 +32,7 @@ def fit_with_logger(
     version = f"seen-by-rank{os.environ['RANK']}" if version_per_rank else None  # (set by distributed.py)
     run_logger = loggers[logger](save_dir=f"{root}/runs", name="gpt-tiny-cpu", version=version) if logger else False
     scan = MegaScan(trace_dir, interval=1, window=1, profile_steps=profile_steps, detect_options=CPU_THRESHOLDS)
-    trainer = {"logger": run_logger, "default_root_dir": root, "log_every_n_steps": 1}
+    trainer = {"logger": run_logger, "default_root_dir": root, "log_every_n_steps": 1, "profiler": profiler}
     cases.fit_gpt(2, steps=4, callbacks=[scan], trainer=trainer, **PP2)
     return {"trace_dir": str(scan.trace_dir), "profiling": scan._profiler is not None and scan._profiler.active}
 

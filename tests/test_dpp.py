@@ -212,6 +212,10 @@ def test_killed_peer_raises_peer_lost(tmp_path: Path) -> None:
         (dict(schedule="interleaved", schedule_options={"policy": "static"}), ["takes no schedule_options"]),
         (dict(schedule="zb-h1", schedule_options={"policy": "adaptive"}), ["zb-h1", "split_weight_grads=True"]),
         (dict(schedule_options={"max_deferred_weight_grads": -2}), ["max_deferred_weight_grads=-2"]),
+        (
+            dict(schedule="zb-h1", schedule_options={"weight_grad_memory": "last"}),
+            ["weight_grad_memory='last'", "own-rank"],
+        ),
     ],
 )
 def test_bad_settings_fail_when_the_strategy_is_built(kwargs: dict[str, Any], words: list[str]) -> None:
@@ -307,6 +311,20 @@ def test_zero_bubble_matches_1f1b(ranks: Any, layout: str) -> None:
         weights = [s for s in sequence if s[0] == "W"]
         assert sorted(weights) == sorted("W" + s[1:] for s in sequence if s[0] == "B"), sequence
         assert all(sequence.index("B" + w[1:]) < sequence.index(w) for w in weights), sequence
+
+
+def test_zero_bubble_within_each_ranks_own_1f1b_memory(ranks: Any) -> None:
+    """``weight_grad_memory="own-rank"``: rank r of a 4-stage pipeline holds at most 4 - r activations and pending
+    weight gradients (its own 1F1B peak), where the default lets every rank fill up to the first rank's 4."""
+    world, strategy = ZB_LAYOUTS["pp4"]
+    want = ranks.run(world, dc.fit_recording, world, schedule="1f1b", **strategy)
+    options = {"weight_grad_memory": "own-rank"}
+    got = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=options, **strategy)
+    default = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", **strategy)
+    for rank in range(world):
+        assert_close(got[rank], want[rank], 1e-6, f"zb-h1 own-rank memory, rank {rank}")
+        assert got[rank]["peak_held"] <= world - rank, (rank, got[rank]["peak_held"], got[rank]["sequence"])
+    assert default[world - 1]["peak_held"] > got[world - 1]["peak_held"], "the option must change the last rank"
 
 
 def test_split_weight_grads_with_virtual_stages_and_reordering(ranks: Any) -> None:

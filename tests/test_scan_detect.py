@@ -40,7 +40,11 @@ def run(tmp_path: Path, name: str = "trace", **kwargs: Any) -> tuple[DetectionRe
     truth = generate_traces(tmp_path / name, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return detect(tmp_path / name), truth
+        report = detect(tmp_path / name)
+    # every rule's evidence must render: MegaScan prints this table at fit end (a KeyError there ended a fit)
+    table = report.table()
+    assert all(f"{s.rank}" in table for s in report.suspects)
+    return report, truth
 
 
 def named(report: DetectionReport) -> set[tuple[int, str, Any]]:
@@ -446,3 +450,51 @@ def test_a_span_paced_by_the_host_is_not_a_slow_gpu(tmp_path: Path, cause: str) 
     suspect = only(report, 3, "host" if cause == "host" else "compute")
     assert suspect.evidence["host_paced_fraction"] == (1.0 if cause == "host" else 0.0)
     assert suspect.evidence["peers_host_paced_fraction"] == 0.0
+
+
+# ------------------------------------------------------------------------------- a pipeline and nothing else
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pipeline_only_clean_runs_name_nothing(tmp_path: Path, seed: int) -> None:
+    report, _ = run(tmp_path, dp=1, tp=1, pp=2, steps=8, seed=seed)
+    assert report.suspects == [], report.table()
+
+
+def test_pipeline_only_slow_loader_is_compared_across_stages(tmp_path: Path) -> None:
+    """Two stages, no data parallelism: no rank has a peer in its stage, but every rank fetches the same batch."""
+    report, _ = run(tmp_path, dp=1, tp=1, pp=2, steps=8, slow_data={1: 3.0})
+    assert named(report) == {(1, "data", None)}, report.table()
+
+
+def test_pipeline_only_slow_link_is_compared_with_the_reverse_direction(tmp_path: Path) -> None:
+    """Two stages have one link each way; activations and their gradients have one shape, so the delayed
+    direction stands out against the other."""
+    report, _ = run(tmp_path, dp=1, tp=1, pp=2, steps=8, slow_links={(0, 1): 2.0})
+    assert named(report) == {(0, "link", 1)}, report.table()
+
+
+def _mark_profiled(directory: Path, steps: set[int]) -> None:
+    for path in list_rank_files(directory).values():
+        out = []
+        for line in path.read_text().splitlines(keepends=True):
+            if '"cat":"step"' in line:
+                event = json.loads(line.rstrip().rstrip(","))
+                if event.get("args", {}).get("step") in steps:
+                    event["args"]["profiled"] = True
+                    line = json.dumps(event) + ",\n"
+            out.append(line)
+        path.write_text("".join(out))
+
+
+def test_profiled_steps_are_left_out(tmp_path: Path) -> None:
+    """Steps run under torch.profiler (``MegaScan(profile_steps=...)``) say so in their step span; a rank slow only
+    in those steps is not named, and the report says which steps were left out."""
+    fault = dict(dp=4, pp=1, tp=1, steps=6, slow_ranks={3: 1.5}, slow_from_step=2)
+    report, _ = run(tmp_path, "unmarked", **fault)
+    assert (3, "compute") in {(s.rank, s.kind) for s in report.suspects}, report.table()  # the control
+    generate_traces(tmp_path / "marked", **fault)
+    _mark_profiled(tmp_path / "marked", {2, 3, 4, 5})
+    with pytest.warns(UserWarning, match=r"profiled step\(s\) \[2, 3, 4, 5\] left out"):
+        report = detect(tmp_path / "marked")
+    assert report.suspects == [] and report.steps == [0, 1], report.table()

@@ -25,7 +25,7 @@ from distributed import free_port
 
 from lightning_megatron import MegatronConfigError
 from lightning_megatron.scan import MegaScan
-from lightning_megatron.scan.format import list_rank_files
+from lightning_megatron.scan.format import list_rank_files, read_rank_file
 from lightning_megatron.scan.report import DetectionReport
 
 WORKERS = ["rank00000-dp0-pp0-tp0", "rank00001-dp0-pp1-tp0"]
@@ -46,7 +46,13 @@ def test_files_follow_the_loggers_directory(profiled_run: tuple[Path, list[dict[
     assert sorted(list_rank_files(megascan)) == [0, 1]
     assert not (root / "runs" / "gpt-tiny-cpu" / "version_1").exists()
     report = DetectionReport.from_json((megascan / "megascan-report.json").read_text())
-    assert sorted(report.per_rank) == [0, 1] and report.steps == [1, 2, 3]
+    # step 2 ran under torch.profiler: its step spans say so, and detection left it out
+    assert sorted(report.per_rank) == [0, 1] and report.steps == [1, 3]
+    for path in list_rank_files(megascan).values():
+        marked = {
+            e["args"]["step"] for e in read_rank_file(path) if e.get("cat") == "step" and e["args"].get("profiled")
+        }
+        assert marked == {2}, (path, marked)
     assert not any(r["profiling"] for r in result)  # nothing left running
 
 
@@ -164,6 +170,12 @@ def test_a_failed_fit_leaves_no_profiler_running(ranks: Any, tmp_path: Path) -> 
     assert all(r["error"] == "failed in step 2" and not r["profiling"] and not r["enabled"] for r in result), result
     traces = sorted((tmp_path / "trace" / "profile").glob("*.pt.trace.json"))  # what was recorded is kept
     assert [path.name.split(".")[0] for path in traces] == WORKERS
+
+
+def test_profile_steps_beside_lightnings_pytorch_profiler_are_refused(ranks: Any, tmp_path: Path) -> None:
+    """Two torch.profiler sessions cannot nest: the clash is named before the fit starts, not deep inside it."""
+    messages = ranks.run(2, sc.refusal, str(tmp_path), profile_steps=[2], profiler="pytorch")
+    assert all("Trainer(profiler=PyTorchProfiler)" in m and "profile_steps" in m for m in messages), messages
 
 
 def test_profile_steps_after_max_steps_are_refused(ranks: Any, tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ must be bit-exact. Times are compared across the two processes on ``time.monoton
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import traceback
@@ -21,27 +20,9 @@ from typing import Any
 import pytest
 import torch
 from distributed import free_port
+from gpu_work import DTYPES, KERNEL_S, SLACK_S, long_producer, random_value
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs of one node")
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
-if hasattr(torch, "float8_e4m3fn"):
-    DTYPES.append(torch.float8_e4m3fn)
-
-
-def _value(tag: int, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    g = torch.Generator(device="cpu").manual_seed(tag)
-    raw = torch.randint(
-        0,
-        256,
-        (max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
-        generator=g,
-        dtype=torch.uint8,
-    )
-    if dtype == torch.bool:
-        raw = raw % 2
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return raw[:n].view(dtype).reshape(shape).to(device)
 
 
 def _cases(transport, rank: int, device: str) -> None:
@@ -52,10 +33,10 @@ def _cases(transport, rank: int, device: str) -> None:
         for shape in [(), (0,), (7,), (3, 5, 7), (2, 1, 4, 1, 3)]:
             tag += 1
             if rank == 0:
-                transport.isend(peer, tag, _value(tag, shape, dtype, device)).wait(30)
+                transport.isend(peer, tag, random_value(tag, shape, dtype, device)).wait(30)
             else:
                 got = transport.recv(peer, tag, timeout=30)
-                want = _value(tag, shape, dtype, device)
+                want = random_value(tag, shape, dtype, device)
                 assert got.device == torch.device(device) and got.dtype == dtype and got.shape == want.shape
                 a, b = got.reshape(-1), want.reshape(-1)
                 if dtype != torch.bool:
@@ -64,12 +45,12 @@ def _cases(transport, rank: int, device: str) -> None:
     # out of order, more in flight than the 16 slots (the rest staged through the host), both ways at once
     sizes = [8 << 20] * 20 + [3, 1 << 20, 300 << 20]
     handles = [
-        transport.isend(peer, 1000 + i, _value(1000 + i + rank, (n // 4,), torch.float32, device))
+        transport.isend(peer, 1000 + i, random_value(1000 + i + rank, (n // 4,), torch.float32, device))
         for i, n in enumerate(sizes)
     ]
     for i in reversed(range(len(sizes))):
         got = transport.recv(peer, 1000 + i, timeout=60)
-        want = _value(1000 + i + peer, (sizes[i] // 4,), torch.float32, device)
+        want = random_value(1000 + i + peer, (sizes[i] // 4,), torch.float32, device)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), i  # bitwise: random bytes hold NaNs
     for h in handles:
         h.wait(60)
@@ -134,38 +115,10 @@ def test_shm_moves_cuda_tensors_between_two_gpus(tmp_path: Path) -> None:
 
 # -- "arrived" means the data is ready ------------------------------------------------------------------------------
 
-KERNEL_S = 0.3
-"""How long the sender's GPU computes the tensor after its descriptor has gone out."""
-SLACK_S = 0.02
-"""The sender sees its kernel end (``Event.synchronize``) a little after the GPU does; the receiver may be first."""
-
-
-def _long_producer(device: str, seconds: float) -> tuple[Callable[[], torch.Tensor], float]:
-    """A function that queues ~``seconds`` of GPU work ending in a fresh (4096, 4096) float32 tensor, and the
-    calibrated duration. A chain ``x = tanh(x @ w)``: every step depends on the one before, values stay bounded."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    w = (torch.randn(4096, 4096, generator=g) / 64).to(device)
-    x0 = torch.randn(4096, 4096, generator=g).to(device)
-
-    def chain(steps: int) -> torch.Tensor:
-        x = x0
-        for _ in range(steps):
-            x = torch.tanh(x @ w)
-        return x
-
-    chain(3)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    chain(10)
-    torch.cuda.synchronize()
-    per_step = (time.perf_counter() - start) / 10
-    steps = max(1, min(4000, math.ceil(seconds / per_step)))
-    return (lambda: chain(steps)), steps * per_step
-
 
 def _ready_rounds(transport: Any, rank: int, device: str) -> dict[str, Any]:
     peer = 1 - rank
-    produce, expected_s = _long_producer(device, KERNEL_S)
+    produce, expected_s = long_producer(device, KERNEL_S)
     report: dict[str, Any] = {"kernel_s": expected_s}
     # Warm-up: the first send to a peer allocates and exports its staging slot; the timed rounds reuse it.
     if rank == 0:

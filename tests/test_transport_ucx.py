@@ -126,6 +126,64 @@ def test_one_host_uses_shared_memory_and_leaves_nothing(ranks: Any) -> None:
     assert out["threads_after"] == [] and out["new_fds"] == [] and out["new_shm"] == [], out
 
 
+# -- the device path, driven with host memory ----------------------------------------------------------------------
+
+
+def _device_path_on_host() -> dict[str, Any]:
+    """The CUDA path's machinery (flagged sends, rendezvous messages kept by the engine and pulled into tensors
+    allocated by Python, in order with eager ones) with host memory in place of GPU memory
+    (``UcxTransport._emulate_device_path``): what a GPU run adds is only UCX's CUDA transports."""
+    rank, _ = _init()
+    peer = 1 - rank
+    t = create("ucx", timeout=30.0)
+    out: dict[str, Any] = {}
+    try:
+        t._emulate_device_path()
+        dist.barrier()
+        t.connect([peer])
+        sizes = [0, 1, 3, 4096, 64 << 10, 1 * MiB, 8 * MiB, 32 * MiB]
+        handles = [t.isend(peer, 100 + i, pattern(n, seed=1000 * rank + i)) for i, n in enumerate(sizes)]
+        fifo = [4 * MiB, 5, 6 * MiB, 0, 2 * MiB]  # one tag: rendezvous and eager messages stay in order
+        handles += [t.isend(peer, 200, pattern(n, seed=2000 * rank + i)) for i, n in enumerate(fifo)]
+        wide = torch.arange(3 * 1024 * 1024, dtype=torch.float64).reshape(1024, 3 * 1024)
+        handles.append(t.isend(peer, 300, wide[:, ::3]))  # non-contiguous: its contiguous copy goes
+        handles.append(t.isend(peer, 301, torch.tensor(2.5, dtype=torch.bfloat16)))  # 0-d
+        for i in reversed(range(len(sizes))):  # taken in reverse: deferred messages wait for their pull
+            check_received(t.recv(peer, 100 + i), pattern(sizes[i], seed=1000 * peer + i), f"tag {100 + i}")
+        for i, n in enumerate(fifo):
+            got = t.poll(peer, 200) if i == 0 and n > 0 else None  # poll pulls too (it may not have arrived)
+            got = got if got is not None else t.recv(peer, 200)
+            check_received(got, pattern(n, seed=2000 * peer + i), f"tag 200 message {i}")
+        index, got = t.wait_any([(peer, 399), (peer, 300)])
+        assert index == 1 and torch.equal(got, wide[:, ::3].contiguous()), index
+        check_received(t.recv(peer, 301), torch.tensor(2.5, dtype=torch.bfloat16), "0-d")
+        for h in handles:
+            h.wait(30)
+        t.wait_sends(timeout=30)
+        out["pulls"] = t.pulls
+        out["poster_queued"] = t._poster.queued
+        # A message never taken: its kept descriptor is released at close, nothing hangs.
+        if rank == 0:
+            t.isend(peer, 900, pattern(16 * MiB, seed=9))
+        dist.barrier()
+        time.sleep(0.5)  # let it arrive (and be kept) before rank 1 closes
+    finally:
+        start = time.monotonic()
+        t.close()
+        out["close_s"] = time.monotonic() - start
+    dist.barrier()
+    return out
+
+
+@needs_ucx
+def test_device_path_with_host_memory(ranks: Any) -> None:
+    outs = ranks.run(2, _device_path_on_host)
+    for out in outs:
+        # 1, 8 and 32 MiB, the three large FIFO messages and the 12 MiB non-contiguous one come by rendezvous
+        assert out["pulls"] >= 5, outs
+        assert out["close_s"] < 10, outs
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.profilers import PyTorchProfiler
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
@@ -72,7 +73,8 @@ class MegaScan(pl.Callback, StepListener):
         profile_steps: Global steps to also run ``torch.profiler`` over (CPU, and CUDA on GPUs), each a traced
             step: one Kineto trace per rank and run of consecutive steps in ``<trace_dir>/profile``, named
             ``rankNNNNN-dpD-ppP-tpT.<time>.pt.trace.json``, steps marked ``ProfilerStep#<step>``, for
-            torch-tb-profiler (``tensorboard --logdir``) and HTA. Profiled steps are slower on every rank.
+            torch-tb-profiler (``tensorboard --logdir``) and HTA. Profiled steps are slower on every rank, by
+            different amounts: their step spans say ``profiled`` and detection leaves them out.
         profile_options: ``torch.profiler.profile`` flags, all off by default: ``record_shapes``,
             ``profile_memory``, ``with_stack``, ``with_flops``, ``with_modules``.
     """
@@ -178,6 +180,13 @@ class MegaScan(pl.Callback, StepListener):
                 f"MegaScan traces MegatronAppStrategy runs; this Trainer uses {type(trainer.strategy).__name__}. "
                 "Pass strategy=MegatronAppStrategy(...) (or strategy='megatron')."
             )
+        if self.profile_steps and isinstance(trainer.profiler, PyTorchProfiler):
+            raise MegatronConfigError(
+                f"MegaScan(profile_steps={self.profile_steps}) and Trainer(profiler=PyTorchProfiler) both run "
+                "torch.profiler, and two of its sessions cannot run at once. Keep one: drop profile_steps (Lightning's "
+                "profiler then covers the whole fit) or the Trainer's profiler (MegaScan's traces then hold the "
+                "chosen steps, one Kineto file per rank)."
+            )
         late = [s for s in self.profile_steps if 0 <= trainer.max_steps <= s]
         if late:
             raise MegatronConfigError(
@@ -273,7 +282,8 @@ class MegaScan(pl.Callback, StepListener):
         for start, end in self._fetches:  # the fetches since the last step: data time is the loader's own time
             recorder.add("data-fetch", "data", TID["host"], start, end, {"step": step})
         self._fetches = []
-        self._step_span = recorder.open(f"step {step}", "step", TID["steps"], {"step": step})
+        args = {"step": step, "profiled": True} if step in self.profile_steps else {"step": step}
+        self._step_span = recorder.open(f"step {step}", "step", TID["steps"], args)
 
     def _p2p_bytes(self, batch: Any) -> Optional[int]:
         """Bytes of one activation between pipeline stages: [seq (/ TP with SP), micro-batch, hidden]."""

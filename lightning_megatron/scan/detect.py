@@ -209,6 +209,12 @@ def _link_suspects(
     for link in transfers:
         src, dst, direction = link
         classes[(direction, traces[src].host == traces[dst].host)].append(link)
+    # Two stages have one link each way: no link has a peer in its direction. Activations forward and their
+    # gradients backward have the same shape, so the two directions become one class there (per byte).
+    for same_host in (False, True):
+        lone = [key for key, links in classes.items() if key[1] == same_host and len(links) < 2]
+        if len(lone) == 2:
+            classes[("both", same_host)] = [link for key in lone for link in classes.pop(key)]
     chosen: dict[Link, list[Transfer]] = {}
     for links in classes.values():
         clean = all(sum(t.clean for t in transfers[link]) >= _MIN_CLEAN for link in links)
@@ -267,7 +273,8 @@ def _data_suspects(
     min_impact_us: float,
     kind: str = "data",
 ) -> list[Suspect]:
-    """Compare the data-wait (``kind="host"``: the host gap) per step with the ranks of the same pipeline stage.
+    """Compare the data-wait per step with every other rank's (``kind="host"``: the host gap, with the ranks of
+    the same pipeline stage).
 
     A longer data-wait is only blamed on data loading where it also made the rank *late*: slow loading ends
     the wait after the peers' waits end (on the aligned clock). A wait that began earlier than the peers' and
@@ -277,7 +284,12 @@ def _data_suspects(
     samples, ends = waits.samples, waits.ends
     suspects = []
     everywhere = pooled_sigma(samples.values())
-    for _pp, ranks in sorted(peer_groups(traces).items()):
+    # Every rank fetches the same batch, whatever its stage, so fetches are compared across the whole job (a
+    # pipeline without data parallelism has no other peers); host gaps depend on the stage's work, so those are
+    # compared within a stage.
+    stages = peer_groups(traces)
+    groups = {0: sorted(traces)} if kind == "data" else stages
+    for _pp, ranks in sorted(groups.items()):
         members = [r for r in ranks if r in samples]
         if len(members) < 2:
             continue
@@ -287,13 +299,20 @@ def _data_suspects(
             if not flagged(c, min_slowdown, min_z):
                 continue
             rank = c.member
-            late_us = _lateness(rank, members, ends)
             excess_us = c.median - c.baseline
-            # the clock alignment is only good to its uncertainty: lateness within it is no evidence either way
-            tolerance = max(clock_sigma(traces[rank], traces[m]) for m in members)
-            if late_us + 2 * tolerance < 0.5 * excess_us:
-                continue  # mostly waiting for the others, not loading
-            impact_us = min(excess_us, max(late_us, 0.0) + 2 * tolerance)
+            stage = [r for r in stages[traces[rank].pp] if r in samples]
+            if len(stage) >= 2:
+                late_us = _lateness(rank, stage, ends)
+                # the clock alignment is only good to its uncertainty: lateness within it is no evidence either way
+                tolerance = max(clock_sigma(traces[rank], traces[m]) for m in stage)
+                if late_us + 2 * tolerance < 0.5 * excess_us:
+                    continue  # mostly waiting for the others, not loading
+                impact_us = min(excess_us, max(late_us, 0.0) + 2 * tolerance)
+            else:
+                # Alone in its stage: other stages end their steps at other moments, so lateness says nothing;
+                # a fetch is the rank's own work (``kind="data"`` only: host gaps are compared within a stage).
+                late_us = math.nan
+                impact_us = excess_us
             if impact_us < min_impact_us:
                 continue
             evidence = {

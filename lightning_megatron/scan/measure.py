@@ -164,9 +164,16 @@ def keep_finished_steps(traces: dict[int, RankTrace], skip_steps: int, notes: li
 
 def _select_steps(traces: dict[int, RankTrace], skip_steps: int, notes: list[str]) -> dict[int, set[int]]:
     """Per rank, the steps to analyse: those the rank finished (its ``step`` span was written, so every span
-    inside the step was written too; a truncated file's last step is partial), less the first ``skip_steps``."""
+    inside the step was written too; a truncated file's last step is partial), less the first ``skip_steps``
+    and the profiled ones."""
     every = sorted({step for t in traces.values() for s in t.spans if (step := _step_of(s)) is not None})
     skipped = set(every[:skip_steps])
+    # steps run under torch.profiler (MegaScan's profile_steps) are slower by the profiler's cost, which is
+    # not the same on every rank: no evidence about the ranks themselves
+    profiled = {_step_of(s) for t in traces.values() for s in t.spans if s["cat"] == "step" and _profiled(s)}
+    if profiled:
+        notes.append(f"profiled step(s) {sorted(profiled)} left out (torch.profiler slows them)")
+        skipped |= profiled
     selected: dict[int, set[int]] = {}
     for rank, trace in traces.items():
         finished = {_step_of(s) for s in trace.spans if s["cat"] == "step"} - {None}
@@ -176,6 +183,10 @@ def _select_steps(traces: dict[int, RankTrace], skip_steps: int, notes: list[str
             notes.append(f"rank {rank}: step(s) {sorted(seen - finished)} unfinished in its trace, left out")
         selected[rank] = {s for s in use if s is not None} - skipped
     return selected
+
+
+def _profiled(event: dict[str, Any]) -> bool:
+    return bool((event.get("args") or {}).get("profiled"))
 
 
 def _step_of(event: dict[str, Any]) -> Optional[int]:

@@ -164,21 +164,37 @@ def _format_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
 
 
 def _evidence_text(suspect: Suspect) -> str:
+    """One line of evidence, from whichever rule named the suspect (each rule keeps its own evidence fields)."""
     e = suspect.evidence
-    if suspect.kind == "compute":
-        text = f"net compute {e['median_ms']:.2f} ms vs {e['baseline_ms']:.2f} ms on peers per microbatch"
-        if e.get("last_arrival_fraction") is not None:
-            text += (
-                f"; last at {100 * e['last_arrival_fraction']:.0f}% of its {e['collective_group']} collectives"
-                f" (imposed {e['imposed_wait_ms']:.2f} ms)"
-            )
-        return text
     if suspect.kind == "link":
         return (
             f"{e['direction']} {suspect.rank}->{suspect.peer}: {e['median_us_per_mb']:.1f} us/MB vs "
             f"{e['baseline_us_per_mb']:.1f} us/MB on {e['link_class']} links"
         )
-    return f"data-wait {e['median_ms']:.2f} ms vs peers {e['baseline_ms']:.2f} ms per step"
+    if "median_ms" in e and "baseline_ms" in e:
+        if suspect.kind == "data" or "late_ms" in e:
+            text = f"data-wait {e['median_ms']:.2f} ms vs peers {e['baseline_ms']:.2f} ms per step"
+        elif "rule" in e:
+            text = f"{e['rule']}: {e['median_ms']:.2f} ms vs {e['baseline_ms']:.2f} ms"
+        else:
+            text = f"net compute {e['median_ms']:.2f} ms vs {e['baseline_ms']:.2f} ms on peers per microbatch"
+    elif "mean_excess" in e:  # the per-step rule alone
+        text = (
+            f"per-step net compute {100 * e['mean_excess']:.0f}% above its peers', slower in "
+            f"{100 * e['slower_steps_fraction']:.0f}% of {e['steps']} steps (p={e['p_value']:.2g})"
+        )
+    else:
+        text = e.get("rule", "")
+    if e.get("last_arrival_fraction") is not None:
+        text += (
+            f"; last at {100 * e['last_arrival_fraction']:.0f}% of its {e['collective_group']} collectives"
+            f" (imposed {e['imposed_wait_ms']:.2f} ms)"
+        )
+    if suspect.kind == "host" and "host_paced_fraction" in e:
+        text += f"; host-paced spans {100 * e['host_paced_fraction']:.0f}%"
+        if "peers_host_paced_fraction" in e:
+            text += f" vs {100 * e['peers_host_paced_fraction']:.0f}% on peers"
+    return text
 
 
 class _MetricsLogger(Protocol):

@@ -42,6 +42,7 @@ from lightning_megatron.compat.megatron import batched_p2p_is_safe, initialize_m
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSession
+from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO
 from lightning_megatron.strategy.collectives import gather_tensor, reduce_tensor
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader, TimersDispatcher
@@ -85,6 +86,10 @@ class MegatronAppStrategy(ParallelStrategy):
         overlap_param_gather: With the distributed optimizer, overlap the parameter all-gather with
             the next forward pass.
         grad_reduce_in_fp32: Accumulate and reduce gradients in fp32 under bf16/fp16.
+        gradient_accumulation_fusion: Compute every tensor-parallel linear layer's weight gradient as one GEMM
+            that accumulates into the fp32 ``main_grad`` (GPUs, bf16/fp16), without the half-precision temporary
+            and the separate add; what megatron-core's flag of that name does with apex, here without apex
+            (:mod:`lightning_megatron.pipeline.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
         ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
@@ -113,6 +118,7 @@ class MegatronAppStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         grad_reduce_in_fp32: bool = True,
+        gradient_accumulation_fusion: bool = False,
         ddp_bucket_size: Optional[int] = None,
         deallocate_pipeline_outputs: bool = True,
         ddp_config: Optional[dict[str, Any]] = None,
@@ -157,6 +163,8 @@ class MegatronAppStrategy(ParallelStrategy):
             )
         self.use_distributed_optimizer = use_distributed_optimizer
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
+        self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
+        self._fused_linears: Optional[SplitLinears] = None  # installed for a fit, restored at teardown
         self._ddp_kwargs = dict(
             grad_reduce_in_fp32=grad_reduce_in_fp32,
             overlap_grad_reduce=overlap_grad_reduce,
@@ -341,6 +349,8 @@ class MegatronAppStrategy(ParallelStrategy):
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
             self._chunks = self._wrap_ddp(wrapped) if fitting else wrapped
+        if fitting and self.gradient_accumulation_fusion and self._fused_linears is None:
+            self._fused_linears = split_linears(self._chunks)  # outside a zero-bubble step W runs inside B
         self._install_config_hooks()
         if fitting:
             self.setup_optimizers(trainer)
@@ -614,6 +624,9 @@ class MegatronAppStrategy(ParallelStrategy):
             self._session.close()
             self._session = None
         self._p2p_messages = megatron_p2p.follow(self._step_listeners, self._p2p_messages, active=False)
+        if self._fused_linears is not None:
+            self._fused_linears.restore()
+            self._fused_linears = None
         release_training_state(
             self._chunks, {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values()
         )

@@ -257,7 +257,28 @@ PYBIND11_MODULE(_native, m) {
              return blocking(timeout, [&](double s) { return e.wait_connected(peer, s); });
            })
       .def("transports", &UcxEngine::transports, py::arg("peer"), py::arg("timeout"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "isend_device",
+          [](UcxEngine& e, int peer, uint64_t tag, py::bytes header, uintptr_t address, size_t nbytes,
+             uint32_t memory_type) {
+            std::string h = header;
+            py::gil_scoped_release release;
+            return e.isend_device(peer, tag, std::move(h), as_ptr(address), nbytes, memory_type);
+          },
+          py::arg("peer"), py::arg("tag"), py::arg("header"), py::arg("address"), py::arg("nbytes"),
+          py::arg("memory_type"), "isend of memory of a ucs_memory_type_t (CUDA: computed already), flagged as such.")
+      .def(
+          "pull",
+          [](UcxEngine& e, int peer, uint64_t token, uintptr_t address, size_t nbytes, uint32_t memory_type) {
+            py::gil_scoped_release release;
+            return e.pull(peer, token, reinterpret_cast<uint8_t*>(address), nbytes, memory_type);
+          },
+          py::arg("peer"), py::arg("token"), py::arg("address"), py::arg("nbytes"), py::arg("memory_type"),
+          "Receive a deferred device message into address (exactly its length); the op completes when it landed.")
+      .def("device_mode", &UcxEngine::device_mode, py::arg("device"), py::arg("flags"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Progress thread onto the device's primary CUDA context; defer device messages from now on.");
 
   py::class_<RdmaEngine, Engine, std::shared_ptr<RdmaEngine>>(m, "RdmaEngine")
       .def(py::init([](const std::string& label, int rank, int world, size_t pool_bytes, const std::string& device,

@@ -57,6 +57,7 @@ std::string ucx_load(const std::string& ucp_path) {
   resolve(handle, "ucp_ep_query", &api.ep_query, false);
   resolve(handle, "ucp_am_send_nbx", &api.am_send_nbx, true);
   resolve(handle, "ucp_am_recv_data_nbx", &api.am_recv_data_nbx, true);
+  resolve(handle, "ucp_am_data_release", &api.am_data_release, true);
   resolve(handle, "ucp_request_check_status", &api.request_check_status, true);
   resolve(handle, "ucp_request_free", &api.request_free, true);
   resolve(handle, "ucs_status_string", &api.status_string, true);  // libucs, a dependency: found through the handle

@@ -37,6 +37,7 @@ struct UcxApi {
   decltype(&ucp_ep_query) ep_query;  // may be null (older libucp): only for introspection
   decltype(&ucp_am_send_nbx) am_send_nbx;
   decltype(&ucp_am_recv_data_nbx) am_recv_data_nbx;
+  decltype(&ucp_am_data_release) am_data_release;
   decltype(&ucp_request_check_status) request_check_status;
   decltype(&ucp_request_free) request_free;
   decltype(&ucs_status_string) status_string;

@@ -8,6 +8,16 @@
 //
 // Ordering: a rendezvous message completes after later eager ones, so the receiver files messages by sequence
 // number, per peer: FIFO per (peer, tag) holds whatever order UCX completes them in.
+// CUDA memory (a transport on a CUDA device; Python drives it through isend_device, pull, enter_device_mode): a
+// send of device
+// memory is posted with UCS_MEMORY_TYPE_CUDA and flagged kFlagDeviceData in its frame, so UCX moves it with its
+// own CUDA transports (cuda_ipc, cuda_copy). On a receiver in device mode, a flagged message that comes by
+// rendezvous is not received at once: its descriptor is kept (the AM callback returns UCS_INPROGRESS) and the
+// message is filed with its Python header's kind word set to kKindPull and a trailer (token, length); Python
+// allocates the destination on its GPU (torch's allocator) and calls pull(), which receives the data straight
+// into it (ucp_am_recv_data_nbx, UCS_MEMORY_TYPE_CUDA) and completes a SendOp when it has landed. Flagged eager
+// messages (small) arrive in host memory like any other; Python copies them to the GPU.
+//
 // Set-up: each rank publishes its worker address through the rendezvous store (no ports); both ends create an
 // endpoint to the other and exchange a HELLO. Death: endpoints use UCP_ERR_HANDLING_MODE_PEER, whose error
 // callback (a transport error, UCX's keep-alive) marks the peer lost; a same-host peer is also watched by pidfd.
@@ -40,6 +50,15 @@ namespace ucxwire {
 constexpr unsigned kAmId = 7;                   // our one active-message id (UCX sizes a table by the largest id)
 constexpr uint32_t kHelloMagic = 0x4f4c4548u;  // "HELO": sequence number 0 of every peer
 constexpr uint32_t kFlagHeaderInData = 1;      // the Python header did not fit the AM header: it leads the data
+constexpr uint32_t kFlagDeviceData = 2;        // the payload was sent from CUDA memory (older receivers ignore it)
+
+// (Memory types are ucs_memory_type_t values: UCS_MEMORY_TYPE_CUDA in use; tests on machines without GPUs drive
+// the same path with UCS_MEMORY_TYPE_HOST.)
+constexpr uint32_t kDeviceModeNoContext = 1;
+// The kind word (offset 8 of the Python header, transport/header.py) of a deferred message as filed: Python's
+// UcxTransport recognises it and pulls. Its trailer after the Python header: token (u64), length (u64).
+constexpr int64_t kKindPull = 0x4C4C5550;  // "PULL"
+constexpr size_t kKindOffset = 8;
 
 // The AM header: this frame, then the Python header (unless kFlagHeaderInData).
 struct AmFrame {
@@ -86,6 +105,16 @@ class UcxEngine : public Engine {
   size_t max_am_header() const { return max_am_header_; }
 
   SendOpPtr isend(int peer, uint64_t tag, std::string header, const uint8_t* data, size_t size) override;
+  // Send `size` bytes of memory of type `memory_type` (CUDA: the caller made sure the data is computed) with the
+  // frame flagged as device data.
+  SendOpPtr isend_device(int peer, uint64_t tag, std::string header, const uint8_t* data, size_t size,
+                         uint32_t memory_type);
+  // Receive the deferred message `token` from `peer` into `data` (exactly its length); the op completes when the
+  // data is there.
+  SendOpPtr pull(int peer, uint64_t token, uint8_t* data, size_t size, uint32_t memory_type);
+  // Make the progress thread current on CUDA device `device`'s primary context (unless flags has
+  // kDeviceModeNoContext) and defer flagged rendezvous messages from then on; the op completes when it has.
+  SendOpPtr device_mode(int device, uint32_t flags);
   void close() override;
   void abandon() override;
 
@@ -116,13 +145,22 @@ class UcxEngine : public Engine {
     std::string why;  // set with `gone`: the failure every later send reports
   };
 
-  // A UCX request we must hear back from: a send (op set) or a rendezvous receive (peer, seq).
+  // A UCX request we must hear back from: a send (op set), a rendezvous receive (peer, seq) or a pull (op set,
+  // pull true).
   struct InFlight {
     UcxEngine* engine = nullptr;
     SendOpPtr op;
     std::string staging;  // header + payload of a send whose Python header did not fit the AM header
     int peer = -1;
     uint64_t seq = 0;
+    bool pull = false;
+  };
+
+  // A rendezvous message kept for Python to pull into device memory (progress thread only).
+  struct Deferred {
+    void* desc = nullptr;  // UCX's data descriptor (held: the AM callback returned UCS_INPROGRESS)
+    size_t length = 0;
+    int peer = -1;
   };
 
   void loop();
@@ -147,6 +185,11 @@ class UcxEngine : public Engine {
   void check_peers();
   void close_lost_endpoints();
   void shutdown_on_thread();
+  SendOpPtr queue_send(const SendOpPtr& op);
+  SendOpPtr queue_task(const SendOpPtr& op, std::function<void()> task);
+  void start_pull(const SendOpPtr& op, uint64_t token, ucs_memory_type_t memory_type);
+  void on_pull_done(InFlight* f, ucs_status_t status);
+  void enter_device_mode(const SendOpPtr& op, int device, uint32_t flags);
   std::string status_str(ucs_status_t s) const { return api_.status_string(s); }
 
   const UcxApi& api_;
@@ -160,6 +203,9 @@ class UcxEngine : public Engine {
 
   std::vector<std::unique_ptr<Peer>> peers_;  // index: rank (fixed size: the error callback holds a Peer*)
   std::set<InFlight*> in_flight_;             // progress thread only: requests UCX still holds
+  std::map<uint64_t, Deferred> deferred_;      // progress thread only: rendezvous messages awaiting a pull
+  uint64_t next_token_ = 1;                    // progress thread only
+  std::atomic<bool> device_mode_{false};        // set by device_mode() (on the progress thread)
 
   std::mutex mu_;  // guards the queues below, closed_, and Peer::hello/gone/why
   std::deque<SendOpPtr> sends_;

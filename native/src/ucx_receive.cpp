@@ -35,6 +35,26 @@ ucs_status_t UcxEngine::on_am(const void* header, size_t header_length, void* da
     m.header_len = frame.header_len;
     m.tag = frame.tag;
     if (!in_data) m.msg.header.assign(static_cast<const char*>(header) + sizeof frame, frame.header_len);
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && (frame.flags & kFlagDeviceData) && !in_data &&
+        frame.magic == kFrameMagic && device_mode_.load() && m.msg.header.size() >= kKindOffset + 8 && length > 0) {
+      // Device memory to a transport on a GPU: keep the descriptor; Python pulls it into a tensor on its device
+      // (UcxEngine::pull). Filed now, marked (kind word kKindPull, trailer token + length), in its place in the order.
+      const uint64_t token = next_token_++;
+      const uint64_t len64 = length;
+      std::memcpy(&m.msg.header[kKindOffset], &kKindPull, 8);
+      m.msg.header.append(reinterpret_cast<const char*>(&token), 8);
+      m.msg.header.append(reinterpret_cast<const char*>(&len64), 8);
+      m.msg.payload = pool_->get(0);
+      m.ready = true;
+      deferred_[token] = Deferred{data, length, frame.src};
+      try {
+        file(p, frame.seq, std::move(m));
+      } catch (...) {
+        deferred_.erase(token);  // UCS_OK below drops the descriptor
+        throw;
+      }
+      return UCS_INPROGRESS;  // the descriptor persists until the pull (or close releases it)
+    }
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
       // Rendezvous: the data is still at the sender. Receive it straight into a pooled block; the message keeps
       // its place in the order meanwhile.

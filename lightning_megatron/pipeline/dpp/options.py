@@ -13,7 +13,9 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline.dpp.policy import POLICIES
 from lightning_megatron.pipeline.transports import check_keys, check_transport_settings
 
-__all__ = ["DppOptions", "parse_options"]
+__all__ = ["WEIGHT_GRAD_MEMORY", "DppOptions", "parse_options"]
+
+WEIGHT_GRAD_MEMORY = ("first-rank", "own-rank")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,13 @@ class DppOptions:
     """Backwards compute input gradients only; weight gradients run later, in what would be waits (zero bubble)."""
     max_deferred_weight_grads: Optional[int] = None
     """With ``split_weight_grads``: most microbatches whose weight gradients wait. Default: no count; the memory
-    rule alone bounds them (a pending W counts as a held activation, under the first rank's 1F1B peak)."""
+    rule alone bounds them (a pending W counts as a held activation, under ``weight_grad_memory``'s peak)."""
+    weight_grad_memory: str = "first-rank"
+    """With ``split_weight_grads``, the memory rule's bound on activations held + Ws pending: ``"first-rank"``,
+    the first pipeline rank's 1F1B peak on every rank (later ranks may defer Ws into the room 1F1B leaves them:
+    the faster choice, but the last rank's pending output-layer W holds the logits' gradient, and on a 1.3B GPT
+    at PP2 its peak grew from 16.6 to 23.8 GiB, above the first rank's 19.0), or ``"own-rank"``, each rank's own
+    1F1B peak (no rank above its 1F1B memory; later ranks defer less)."""
 
 
 def parse_options(raw: Mapping[str, Any]) -> DppOptions:
@@ -50,6 +58,11 @@ def parse_options(raw: Mapping[str, Any]) -> DppOptions:
         raise MegatronConfigError(
             f"schedule_options.extra_activations={options.extra_activations!r}: a whole number >= 0 (each extra "
             "activation costs one microbatch's stage activations in memory)."
+        )
+    if options.weight_grad_memory not in WEIGHT_GRAD_MEMORY:
+        raise MegatronConfigError(
+            f"schedule_options.weight_grad_memory={options.weight_grad_memory!r}: choose 'first-rank' (the default: "
+            "every rank within the first rank's 1F1B peak) or 'own-rank' (every rank within its own)."
         )
     limit = options.max_deferred_weight_grads
     if limit is not None and (not isinstance(limit, int) or limit < 0):

@@ -19,7 +19,7 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
 * GPUs: the host queues at most ``max_ahead`` tasks ahead of its GPU (CUDA events), so a decision is made on
   fresh readiness, and the events time each task for the adaptive policy;
 * ``split_weight_grads`` (and the ``"zb-h1"`` schedule): a backward computes only input gradients (B, sent at
-  once) and leaves the weight gradients (W, :mod:`~lightning_megatron.pipeline.dpp.wgrad`) for later: W tasks
+  once) and leaves the weight gradients (W, :mod:`~lightning_megatron.pipeline.wgrad`) for later: W tasks
   run, oldest first, whenever the device would otherwise idle waiting for a message (on GPUs: the rank waits
   and its GPU has drained its queue), when a forward needs the memory, or when more than
   ``max_deferred_weight_grads`` are pending; a chunk's gradient sync starts after its last W.
@@ -32,7 +32,10 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
   on its most loaded rank. The first rank defers nothing while it is full (its W runs just before its next
   forward, and in the cool-down, when no forward comes, into its waits); later ranks, which 1F1B leaves with
   room, defer up to their rank's worth of Ws, so their input gradients reach the ranks before them sooner.
-  ZB-H1 (Qi et al.) bounds the same quantity.
+  ZB-H1 (Qi et al.) bounds the same quantity. Counts are not bytes: the last rank's pending W of the output
+  layer holds the logits' gradient, so there the rule can exceed the first rank's memory (measured on a 1.3B GPT,
+  ``benchmarks/results/zb_m16_sdpa_2xh200.json``); ``weight_grad_memory="own-rank"`` bounds every rank by its
+  own 1F1B peak instead.
 
 Waits are bounded by the strategy's timeout (:class:`~lightning_megatron.transport.TransportTimeout` names what
 was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost` naming it.
@@ -70,10 +73,10 @@ from lightning_megatron.pipeline.dpp.plan import (
     message_tag,
 )
 from lightning_megatron.pipeline.dpp.policy import Policy, StageState, make_policy
-from lightning_megatron.pipeline.dpp.wgrad import SplitLinears, WeightGrad, collecting, split_linears
 from lightning_megatron.pipeline.gradsync import GradSync
 from lightning_megatron.pipeline.registry import ScheduleContext
 from lightning_megatron.pipeline.transports import open_transport
+from lightning_megatron.pipeline.wgrad import SplitLinears, WeightGrad, collecting, split_linears
 from lightning_megatron.transport import Transport, TransportTimeout
 
 __all__ = ["DppSession"]
@@ -238,8 +241,10 @@ class _Step:
         self.last_event: Optional[Any] = None  # GPUs: the end of the last task queued (W included)
         limit = session.options.max_deferred_weight_grads
         self.w_limit = self.plan.microbatches * self.plan.chunks if limit is None else limit
-        first_rank = dataclasses.replace(self.plan, rank=0)
-        self.memory_cap = first_rank.peak_inflight + (0 if forward_only else session.options.extra_activations)
+        bound = (
+            self.plan if session.options.weight_grad_memory == "own-rank" else dataclasses.replace(self.plan, rank=0)
+        )
+        self.memory_cap = bound.peak_inflight + (0 if forward_only else session.options.extra_activations)
         """Activations held + weight gradients pending before a forward, at most (the memory rule)."""
         self.peak_held = 0
         """The most activations + pending weight gradients this rank held at once in the step."""

@@ -15,7 +15,9 @@ output layer included) an autograd function of ours, per instance and undone by 
   weight gradient at once, as megatron-core does;
 * :meth:`WeightGrad.run` later computes the same GEMM megatron-core would have (``grad_output.t() @ input`` on the
   2-D views) and adds it to the weight's ``main_grad`` exactly as megatron-core's DDP hook adds ``param.grad``.
-  In fp32 the result equals the unsplit backward's when each layer's W runs in microbatch order.
+  In fp32 the result equals the unsplit backward's when each layer's W runs in microbatch order. On GPUs with
+  bf16/fp16 activations the GEMM accumulates straight into the fp32 ``main_grad`` (:func:`accumulate_weight_grad`:
+  no half-precision temporary, no separate add), which megatron-core can only do with apex.
 
 megatron-core's DDP hook on the weight still runs at B time (autograd calls a parameter's accumulate-grad hooks
 even without a gradient), and with ``overlap_grad_reduce`` it insists on a gradient: B hands it an uninitialised
@@ -40,7 +42,14 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-__all__ = ["SplitLinears", "WeightGrad", "collecting", "split_linears"]
+__all__ = [
+    "SplitLinears",
+    "WeightGrad",
+    "accumulate_weight_grad",
+    "collecting",
+    "fused_accumulation_status",
+    "split_linears",
+]
 
 _STASH: Optional[list[WeightGrad]] = None  # where backwards put their weight gradients (None: compute them)
 # A module global, not thread-local: autograd runs CUDA backwards on its own device threads.
@@ -57,18 +66,52 @@ class WeightGrad:
     def run(self) -> None:
         with torch.no_grad():  # outside autograd's backward now: build no graph
             grad_output, total_input = prepare_input_tensors_for_wgrad_compute(self.grad_output, self.total_input)
-            grad_weight = grad_output.t().matmul(total_input)
-            _accumulate(self.weight, grad_weight)
+            accumulate_weight_grad(self.weight, grad_output, total_input)
         self.grad_output = self.total_input = None  # type: ignore[assignment]  # free them now
 
 
-def _accumulate(weight: torch.nn.Parameter, grad_weight: torch.Tensor) -> None:
-    if hasattr(weight, "main_grad"):  # megatron-core DDP: what its backward hook does with param.grad
-        weight.main_grad.add_(grad_weight)
+def accumulate_weight_grad(weight: torch.nn.Parameter, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
+    """Add ``grad_output.t() @ total_input`` (2-D views) to the weight's gradient.
+
+    Under megatron-core DDP with bf16/fp16 activations and an fp32 ``main_grad`` on a GPU, one GEMM accumulates
+    straight into ``main_grad`` (``addmm`` with ``out_dtype``: fp32 accumulation and output, what apex's
+    ``gradient_accumulation_fusion`` kernel does), with no half-precision temporary and no separate add. Everywhere
+    else (CPU, fp32 training, a torch without the fused GEMM) it is megatron-core's own arithmetic: the GEMM in the
+    activations' dtype, then ``main_grad.add_``; in fp32 that is bit-for-bit the unsplit backward.
+    """
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None and _fused_gemm_applies(grad_output, main_grad):
+        try:
+            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as error:  # this torch or device lacks it
+            _FUSED_GEMM["available"] = False
+            _FUSED_GEMM["why"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    grad_weight = grad_output.t().matmul(total_input)
+    if main_grad is not None:  # megatron-core DDP: what its backward hook does with param.grad
+        main_grad.add_(grad_weight)
     elif weight.grad is None:
         weight.grad = grad_weight
     else:
         weight.grad += grad_weight
+
+
+_FUSED_GEMM: dict[str, Any] = {"available": True, "why": None}  # cleared after the first failure, with the reason
+
+
+def fused_accumulation_status() -> dict[str, Any]:
+    """Whether weight-gradient GEMMs accumulate into ``main_grad`` in one fused GEMM (``why``: if not, the error)."""
+    return dict(_FUSED_GEMM)
+
+
+def _fused_gemm_applies(grad_output: torch.Tensor, main_grad: torch.Tensor) -> bool:
+    return (
+        _FUSED_GEMM["available"]
+        and grad_output.is_cuda
+        and grad_output.dtype in (torch.bfloat16, torch.float16)
+        and main_grad.dtype == torch.float32
+        and main_grad.is_contiguous()
+    )
 
 
 @contextlib.contextmanager
@@ -94,16 +137,25 @@ class _SplitLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        # megatron-core's order, so the collectives overlap the GEMMs: the sequence-parallel all-gather of the
+        # input runs under the input-gradient GEMM, the input gradient's reduction under the weight-gradient GEMM.
         input, weight = ctx.saved_tensors
         tp_group = ctx.tp_group
-        total_input = _gather(input, tp_group) if ctx.sequence_parallel else input
+        gathering = None
+        if ctx.sequence_parallel:
+            gathering, total_input = _gather(input, tp_group, async_op=True)
+        else:
+            total_input = input
         grad_input = grad_output.matmul(weight)
+        if gathering is not None:
+            gathering.wait()
+        reducing = None
         if ctx.sequence_parallel:
             sub_grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-            dist.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group)
+            reducing = dist.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group, async_op=True)
             grad_input = sub_grad_input
         elif ctx.allreduce_dgrad:
-            dist.all_reduce(grad_input, group=tp_group)
+            reducing = dist.all_reduce(grad_input, group=tp_group, async_op=True)
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
         deferred = WeightGrad(weight, grad_output.detach(), total_input.detach())
         if _STASH is None:
@@ -114,15 +166,18 @@ class _SplitLinear(torch.autograd.Function):
         if hasattr(weight, "main_grad"):  # for megatron-core DDP's hook (see the module docstring)
             placeholder = torch.empty_like(weight)
             weight.grad_added_to_main_grad = True
+        if reducing is not None:
+            reducing.wait()
         return grad_input, placeholder, grad_bias, None, None, None
 
 
-def _gather(input: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather(input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """The sequence-parallel all-gather along the first dimension (with ``async_op``: ``(work, output)``)."""
     shape = list(input.shape)
     shape[0] *= dist.get_world_size(group)
     out = torch.empty(shape, dtype=input.dtype, device=input.device)
-    dist.all_gather_into_tensor(out, input.contiguous(), group=group)
-    return out
+    work = dist.all_gather_into_tensor(out, input.contiguous(), group=group, async_op=async_op)
+    return (work, out) if async_op else out
 
 
 def _split_forward_impl(
@@ -137,8 +192,13 @@ def _split_forward_impl(
     wgrad_deferral_limit: Any = None,
     tp_group: Any = None,
 ) -> torch.Tensor:
-    """Stands in for the layer's ``_forward_impl`` (megatron-core calls it with these keywords)."""
-    if not weight.requires_grad or grad_output_buffer is not None:
+    """Stands in for the layer's ``_forward_impl`` (megatron-core calls it with these keywords).
+
+    A weight passed in from elsewhere (the output layer of a one-stage model with tied embeddings uses the
+    embedding's) keeps megatron-core's backward: its gradient also comes from the embedding, through autograd,
+    and the placeholder below would make megatron-core's DDP hook drop that part.
+    """
+    if not weight.requires_grad or grad_output_buffer is not None or weight is not getattr(self, "weight", None):
         return type(self)._forward_impl(
             self,
             input,

@@ -1,0 +1,59 @@
+"""What the GPU transport tests share: random tensors of every dtype, and a tensor that takes a known time to
+compute (the "is the data ready" cases)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+KERNEL_S = 0.3
+"""How long the sender's GPU computes the tensor after it was handed to the transport."""
+SLACK_S = 0.02
+"""The sender sees its kernel end (``Event.synchronize``) a little after the GPU does; the receiver may be first."""
+
+
+def long_producer(device: str, seconds: float) -> tuple[Callable[[], torch.Tensor], float]:
+    """A function that queues ~``seconds`` of GPU work ending in a fresh (4096, 4096) float32 tensor, and the
+    calibrated duration. A chain ``x = tanh(x @ w)``: every step depends on the one before, values stay bounded."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.randn(4096, 4096, generator=g) / 64).to(device)
+    x0 = torch.randn(4096, 4096, generator=g).to(device)
+
+    def chain(steps: int) -> torch.Tensor:
+        x = x0
+        for _ in range(steps):
+            x = torch.tanh(x @ w)
+        return x
+
+    chain(3)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    chain(10)
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - start) / 10
+    steps = max(1, min(4000, math.ceil(seconds / per_step)))
+    return (lambda: chain(steps)), steps * per_step
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def random_value(tag: int, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Random bytes seeded by ``tag``, viewed as ``dtype`` (every bit pattern: compare bitwise, NaN included)."""
+    g = torch.Generator(device="cpu").manual_seed(tag)
+    raw = torch.randint(
+        0,
+        256,
+        (max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
+        generator=g,
+        dtype=torch.uint8,
+    )
+    if dtype == torch.bool:
+        raw = raw % 2
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return raw[:n].view(dtype).reshape(shape).to(device)
