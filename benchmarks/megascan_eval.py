@@ -71,21 +71,35 @@ def cases(layout: str, gpu: bool) -> list[str]:
     return names
 
 
+COMPETITORS = {
+    "gpu-contention": dict(kind="gpu"),
+    "gpu-contention-bursty": dict(kind="gpu", on_s=0.3, off_s=0.3),
+    "cpu-contention": dict(kind="cpu"),
+}
+
+
 def _callbacks(
-    case: str, rank: int, step_ms: float, trace_dir: Path, micro_batch: int, granularity: str
+    case: str,
+    rank: int,
+    step_ms: float,
+    trace_dir: Path,
+    micro_batch: int,
+    granularity: str,
+    competitors: dict[tuple[str, int], Any],
 ) -> tuple[list, Any]:
-    """The MegaScan callback, the fault's callbacks, and a dataset wrapper for the loader faults."""
+    """The MegaScan callback, the fault's callbacks, and a dataset wrapper for the loader faults. Competing
+    processes are kept alive between fits (``competitors``: one per case and rank, paused between its fits), so
+    each run's fit starts with its fault already competing and pays no process start-up."""
     from lightning_megatron.scan import LinkDelayInjector, MegaScan
     from lightning_megatron.scan.faults import CompetingProcess, SlowDataset
 
     callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=2, granularity=granularity)]
     wrap = None
-    if case == "gpu-contention":
-        callbacks.append(CompetingProcess([rank], kind="gpu"))
-    elif case == "gpu-contention-bursty":
-        callbacks.append(CompetingProcess([rank], kind="gpu", on_s=0.3, off_s=0.3))
-    elif case == "cpu-contention":
-        callbacks.append(CompetingProcess([rank], kind="cpu"))
+    if case in COMPETITORS:
+        key = (case, rank)
+        if key not in competitors:
+            competitors[key] = CompetingProcess([rank], keep_alive=True, **COMPETITORS[case])
+        callbacks.append(competitors[key])
     elif case.startswith("slow-loader"):
         share = 0.02 if case.endswith("mild") else 0.25
         per_sample_ms = share * step_ms / (MICROBATCHES * micro_batch)  # samples in a rank's batch
@@ -102,56 +116,64 @@ def _worker(spec: dict[str, Any]) -> None:
     records: list[dict[str, Any]] = []
     workdir = Path(spec["workdir"])
     clean_ms: list[float] = []
+    competitors: dict[tuple[str, int], Any] = {}
     plan = [(case, i) for i in range(runs) for case in cases(spec["layout_name"], spec["accelerator"] == "gpu")]
     # Round by round (each round's clean run first: the faults' sizes come from the clean runs so far), so a
     # deadline cuts every case alike and slow drift of the machine falls on every case alike.
-    for case, i in plan:
-        # Past the deadline no new fit starts (rank 0 decides for both, so neither waits on the other; the
-        # process group exists from the first fit on).
-        late = [bool(records) and spec.get("deadline") is not None and time.time() > spec["deadline"]]
-        if records:
-            dist.broadcast_object_list(late, src=0)
-        if late[0]:
-            if dist.get_rank() == 0:
-                print(f"{spec['layout_name']}: deadline reached, {len(records)} of {len(plan)} runs made", flush=True)
-            break
-        rank = 0 if case == "link-delay" else i % 2
-        step_ms = statistics.median(clean_ms) if clean_ms else 100.0
-        callbacks, wrap = _callbacks(
-            case, rank, step_ms, workdir / f"{case}-{i}", spec["micro_batch_size"], spec["granularity"]
-        )
-        started = time.perf_counter()
-        times = fit_once(spec, callbacks, steps, wrap_dataset=wrap, wall=True)  # fetches included
-        median_ms = 1000 * statistics.median(times[1:])
-        if case == "clean":
-            clean_ms.append(median_ms)
-        report = callbacks[0].report
-        records.append(
-            {
-                "case": case,
-                "run": i,
-                "faulted_rank": None if case == "clean" else rank,
-                "step_ms": round(median_ms, 3),
-                "seconds": round(time.perf_counter() - started, 1),
-                "suspects": [
-                    {
-                        "rank": s.rank,
-                        "kind": s.kind,
-                        "slowdown": s.slowdown,
-                        "impact_ms": round(s.impact_ms, 3),
-                        "rule": s.evidence.get("rule", "per-op medians"),
-                    }
-                    for s in (report.suspects if report is not None else [])
-                ],
-            }
-        )
-        if dist.get_rank() == 0:
-            print(
-                f"{spec['layout_name']} {case} run {i}: step {median_ms:.1f} ms, named "
-                f"{[(s['rank'], s['kind']) for s in records[-1]['suspects']]}",
-                flush=True,
+    try:
+        for case, i in plan:
+            # Past the deadline no new fit starts (rank 0 decides for both, so neither waits on the other; the
+            # process group exists from the first fit on).
+            late = [bool(records) and spec.get("deadline") is not None and time.time() > spec["deadline"]]
+            if records:
+                dist.broadcast_object_list(late, src=0)
+            if late[0]:
+                if dist.get_rank() == 0:
+                    print(
+                        f"{spec['layout_name']}: deadline reached, {len(records)} of {len(plan)} runs made", flush=True
+                    )
+                break
+            rank = 0 if case == "link-delay" else i % 2
+            step_ms = statistics.median(clean_ms) if clean_ms else 100.0
+            callbacks, wrap = _callbacks(
+                case, rank, step_ms, workdir / f"{case}-{i}", spec["micro_batch_size"], spec["granularity"], competitors
             )
-            Path(spec["result"]).write_text(json.dumps(records))  # after every run: a cut-off launch keeps them
+            started = time.perf_counter()
+            times = fit_once(spec, callbacks, steps, wrap_dataset=wrap, wall=True)  # fetches included
+            median_ms = 1000 * statistics.median(times[1:])
+            if case == "clean":
+                clean_ms.append(median_ms)
+            report = callbacks[0].report
+            records.append(
+                {
+                    "case": case,
+                    "run": i,
+                    "faulted_rank": None if case == "clean" else rank,
+                    "step_ms": round(median_ms, 3),
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "suspects": [
+                        {
+                            "rank": s.rank,
+                            "kind": s.kind,
+                            "slowdown": s.slowdown,
+                            "impact_ms": round(s.impact_ms, 3),
+                            "rule": s.evidence.get("rule", "per-op medians"),
+                        }
+                        for s in (report.suspects if report is not None else [])
+                    ],
+                }
+            )
+            if dist.get_rank() == 0:
+                print(
+                    f"{spec['layout_name']} {case} run {i}: step {median_ms:.1f} ms, named "
+                    f"{[(s['rank'], s['kind']) for s in records[-1]['suspects']]}",
+                    flush=True,
+                )
+                Path(spec["result"]).write_text(json.dumps(records))  # after every run: a cut-off launch keeps them
+
+    finally:
+        for competitor in competitors.values():  # kept alive between fits: end them now
+            competitor.close()
 
 
 def score(records: list[dict[str, Any]]) -> dict[str, Any]:

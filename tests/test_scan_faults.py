@@ -4,6 +4,7 @@ an exception."""
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -65,3 +66,46 @@ def test_slow_dataset_delays_only_the_named_ranks() -> None:
     started = time.perf_counter()
     assert [fast[i] for i in range(5)] == data and len(fast) == 5
     assert slow_s >= 0.15 > time.perf_counter() - started
+
+
+def test_fit_start_waits_for_the_competitors_and_reports_one_that_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fit start returns only once every competing process competes (a spawned one takes seconds to import
+    torch: a short fit would end first); one that dies before that is an error at once, not a silent no-fault."""
+    before = {c.pid for c in _children()}
+    fault = CompetingProcess([0], kind="cpu", processes=1)
+    started = time.monotonic()
+    fault.on_fit_start(CPU_TRAINER, None)
+    assert len([c for c in _children() if c.pid not in before]) == 1
+    fault.on_fit_end(CPU_TRAINER, None)
+    assert time.monotonic() - started < 60
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {100_000})  # no such CPU: the child fails to start
+    broken = CompetingProcess([0], kind="cpu", processes=1)
+    with pytest.raises(RuntimeError, match=r"did not start within .* \(exit code 1\)"):
+        broken.on_fit_start(CPU_TRAINER, None)
+    assert [c.pid for c in _children() if c.pid not in before] == []
+
+
+def test_kept_alive_competitors_pause_between_fits_and_close() -> None:
+    """``keep_alive``: started once, paused at fit end (idle), competing again at the next fit start, ended by
+    ``close``: an evaluation of many short fits pays the start-up once."""
+    before = {c.pid for c in _children()}
+    fault = CompetingProcess([0], kind="cpu", processes=1, keep_alive=True)
+
+    def busy_seconds(child: psutil.Process) -> float:
+        start = sum(child.cpu_times()[:2])
+        time.sleep(0.6)
+        return sum(child.cpu_times()[:2]) - start
+
+    try:
+        fault.on_fit_start(CPU_TRAINER, None)
+        (child,) = [c for c in _children() if c.pid not in before]
+        assert busy_seconds(child) > 0.25
+        fault.on_fit_end(CPU_TRAINER, None)
+        time.sleep(0.2)
+        assert child.is_running() and busy_seconds(child) < 0.15  # paused, not ended
+        fault.on_fit_start(CPU_TRAINER, None)
+        assert [c.pid for c in _children() if c.pid not in before] == [child.pid]  # the same process
+        assert busy_seconds(child) > 0.25
+    finally:
+        fault.close()
+    assert [c.pid for c in _children() if c.pid not in before] == []

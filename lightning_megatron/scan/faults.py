@@ -14,9 +14,11 @@ way real machines are, and leave it to the job to feel it (or not):
 
 A slow link is ``scan.inject.LinkDelayInjector`` (inside the transport, as a slow wire is).
 
-The competing processes start at fit start and stop at fit end, on exception and at teardown (terminated,
-then killed); they are spawned (not forked) so they hold no copy of the training process's CUDA context or
-communicators.
+The competing processes start at fit start, which returns only once each of them is competing (a spawned
+process spends seconds importing torch and making a CUDA context: a short fit would otherwise end before the
+fault began; the first GPU evaluation was measured so), and stop at fit end, on exception and at teardown
+(terminated, then killed); they are spawned (not forked) so they hold no copy of the training process's CUDA
+context or communicators.
 """
 
 from __future__ import annotations
@@ -33,17 +35,32 @@ import torch.distributed as dist
 
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["CompetingProcess", "SlowDataset"]
+__all__ = ["READY_TIMEOUT_S", "CompetingProcess", "SlowDataset"]
+
+READY_TIMEOUT_S = 120.0
+"""How long fit start waits for the competing processes to be competing (importing torch, a CUDA context)."""
 
 
-def _burn_gpu(device: int, on_s: float, off_s: float, stop: Any, size: int) -> None:
-    """Matrix multiplications on ``device`` for ``on_s`` seconds, idle ``off_s``, until ``stop`` is set."""
+def _paused(active: Any) -> bool:
+    """Whether to idle now (``active`` cleared: a kept-alive competitor between fits); waits a little if so."""
+    if active.is_set():
+        return False
+    active.wait(0.05)
+    return True
+
+
+def _burn_gpu(device: int, on_s: float, off_s: float, stop: Any, active: Any, ready: Any, size: int) -> None:
+    """Matrix multiplications on ``device`` for ``on_s`` seconds, idle ``off_s``, while ``active``, until ``stop``."""
     torch.cuda.set_device(device)
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    (a @ b).sum().item()  # CUDA context, cuBLAS handle and the GEMM kernel are up: burning from here on
+    ready.set()
     while not stop.is_set():
+        if _paused(active):
+            continue
         until = time.monotonic() + on_s
-        while time.monotonic() < until and not stop.is_set():
+        while time.monotonic() < until and not stop.is_set() and active.is_set():
             for _ in range(8):
                 a = (a @ b).clamp_(-1, 1)
             torch.cuda.synchronize()
@@ -51,10 +68,13 @@ def _burn_gpu(device: int, on_s: float, off_s: float, stop: Any, size: int) -> N
             stop.wait(off_s)
 
 
-def _burn_cpu(cpus: Sequence[int], on_s: float, off_s: float, stop: Any) -> None:
-    """A busy loop on ``cpus`` for ``on_s`` seconds, idle ``off_s``, until ``stop`` is set."""
+def _burn_cpu(cpus: Sequence[int], on_s: float, off_s: float, stop: Any, active: Any, ready: Any) -> None:
+    """A busy loop on ``cpus`` for ``on_s`` seconds, idle ``off_s``, while ``active``, until ``stop`` is set."""
     os.sched_setaffinity(0, cpus)
+    ready.set()
     while not stop.is_set():
+        if _paused(active):
+            continue
         until = time.monotonic() + on_s
         x = 0
         while time.monotonic() < until:
@@ -62,6 +82,8 @@ def _burn_cpu(cpus: Sequence[int], on_s: float, off_s: float, stop: Any) -> None
                 x += i * i
             if stop.is_set():
                 return
+            if not active.is_set():
+                break
         if off_s > 0:
             stop.wait(off_s)
 
@@ -71,7 +93,9 @@ class CompetingProcess(pl.Callback):
 
     ``on_s``/``off_s``: busy for ``on_s`` seconds, then idle for ``off_s`` (``off_s=0``: continuous).
     ``processes``: competing processes per rank (``cpu``: default one per CPU of the rank's affinity set, at most
-    4). ``size``: the GPU burner's matrix size (larger: longer kernels, coarser time slices)."""
+    4). ``size``: the GPU burner's matrix size (larger: longer kernels, coarser time slices). ``keep_alive``: the
+    processes only pause at fit end and compete again in the next fit this callback is part of (start-up is paid
+    once: an evaluation of many short fits); :meth:`close` ends them."""
 
     def __init__(
         self,
@@ -81,6 +105,7 @@ class CompetingProcess(pl.Callback):
         off_s: float = 0.0,
         processes: Optional[int] = None,
         size: int = 4096,
+        keep_alive: bool = False,
     ) -> None:
         if kind not in ("gpu", "cpu"):
             raise MegatronConfigError(f"CompetingProcess(kind={kind!r}): choose 'gpu' or 'cpu'.")
@@ -89,31 +114,60 @@ class CompetingProcess(pl.Callback):
         if processes is not None and processes < 1:
             raise MegatronConfigError(f"CompetingProcess(processes={processes}): at least 1, or None.")
         self.ranks, self.kind, self.on_s, self.off_s = list(ranks), kind, on_s, off_s
-        self.processes, self.size = processes, size
+        self.processes, self.size, self.keep_alive = processes, size, keep_alive
         self._children: list[Any] = []
         self._stop: Any = None
+        self._active: Any = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank not in self.ranks:
             return
+        if self._children:  # kept alive from an earlier fit
+            self._active.set()
+            return
         ctx = mp.get_context("spawn")
-        self._stop = ctx.Event()
+        self._stop, self._active = ctx.Event(), ctx.Event()
+        self._active.set()
         if self.kind == "gpu":
             device = trainer.strategy.root_device
             if device.type != "cuda":
                 raise MegatronConfigError("CompetingProcess(kind='gpu') needs CUDA; on CPUs use kind='cpu'.")
-            targets = [(_burn_gpu, (device.index, self.on_s, self.off_s, self._stop, self.size))] * (
-                self.processes or 1
-            )
+            target, args = _burn_gpu, (device.index, self.on_s, self.off_s, self._stop, self._active)
+            count = self.processes or 1
         else:
             cpus = sorted(os.sched_getaffinity(0))
             count = self.processes or min(len(cpus), 4)
-            targets = [(_burn_cpu, (cpus, self.on_s, self.off_s, self._stop))] * count
-        for target, args in targets:
-            child = ctx.Process(target=target, args=args, daemon=True)
+            target, args = _burn_cpu, (cpus, self.on_s, self.off_s, self._stop, self._active)
+        readies = []
+        for _ in range(count):
+            ready = ctx.Event()
+            extra = (self.size,) if self.kind == "gpu" else ()
+            child = ctx.Process(target=target, args=(*args, ready, *extra), daemon=True)
             child.start()
             self._children.append(child)
+            readies.append(ready)
+        # A spawned child imports torch (and, on a GPU, makes a CUDA context) for seconds before it competes for
+        # anything: without this wait a short fit would run, and be measured, before the fault is there.
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for ready, child in zip(readies, self._children):
+            while not ready.wait(0.1):
+                if not child.is_alive() or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(
+                        f"CompetingProcess(kind={self.kind!r}): a competing process did not start within "
+                        f"{READY_TIMEOUT_S:.0f} s (exit code {child.exitcode})."
+                    )
+
+    def close(self) -> None:
+        """End the competing processes (set stop; terminate, then kill, what does not end)."""
+        self._stop_children()
+
+    def _end_of_fit(self) -> None:
+        if self.keep_alive and self._active is not None:
+            self._active.clear()
+        else:
+            self._stop_children()
 
     def _stop_children(self) -> None:
         if self._stop is not None:
@@ -126,16 +180,16 @@ class CompetingProcess(pl.Callback):
             if child.is_alive():
                 child.kill()
                 child.join(timeout=5)
-        self._children, self._stop = [], None
+        self._children, self._stop, self._active = [], None, None
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop_children()
+        self._end_of_fit()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop_children()
+        self._stop_children()  # whatever keep_alive says: nothing outlives a failed fit
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop_children()
+        self._end_of_fit()
 
 
 class SlowDataset(torch.utils.data.Dataset):

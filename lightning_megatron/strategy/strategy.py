@@ -31,19 +31,19 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.transformer.module import Float16Module
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from lightning_megatron.compat import megatron_p2p
 from lightning_megatron.compat.lightning import ScriptLauncher
-from lightning_megatron.compat.megatron import batched_p2p_is_safe, initialize_model_parallel
+from lightning_megatron.compat.megatron import initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSession
 from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO
+from lightning_megatron.strategy.chunks import install_config_hooks, unwrap, validated_chunks, wrap_ddp
 from lightning_megatron.strategy.collectives import gather_tensor, reduce_tensor
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader, TimersDispatcher
 from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
@@ -54,13 +54,6 @@ from lightning_megatron.strategy.release import collect_previous_fits, release_t
 from lightning_megatron.strategy.step import StepOutput, run_forward_backward
 
 __all__ = ["MegatronAppStrategy"]
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model chunk inside the DDP and ``Float16Module`` wrappers."""
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk
 
 
 class MegatronAppStrategy(ParallelStrategy):
@@ -341,14 +334,14 @@ class MegatronAppStrategy(ParallelStrategy):
                 "MegatronAppStrategy drives the optimizer itself (the pipeline schedule runs forward and backward "
                 "inside training_step); keep `automatic_optimization = True`."
             )
-        chunks = self._validated_chunks()
+        chunks = validated_chunks(self.lightning_module, self.layout.num_chunks, self.parallel.config_kwargs())
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        wrapped_before = [_unwrap(c) for c in self._chunks]
+        wrapped_before = [unwrap(c) for c in self._chunks]
         needs_ddp = fitting and not all(isinstance(c, DistributedDataParallel) for c in self._chunks)
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
-            self._chunks = self._wrap_ddp(wrapped) if fitting else wrapped
+            self._chunks = wrap_ddp(wrapped, self._ddp_kwargs) if fitting else wrapped
         if fitting and self.gradient_accumulation_fusion and self._fused_linears is None:
             self._fused_linears = split_linears(self._chunks)  # outside a zero-bubble step W runs inside B
         self._install_config_hooks()
@@ -356,85 +349,18 @@ class MegatronAppStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _validated_chunks(self) -> list[torch.nn.Module]:
-        module = self.lightning_module
-        chunks = getattr(module, "model_chunks", None)
-        if not isinstance(chunks, torch.nn.ModuleList) or len(chunks) != self.layout.num_chunks:
-            raise MegatronConfigError(
-                f"{type(module).__name__}.configure_model() must set `self.model_chunks` to a torch.nn.ModuleList "
-                f"with one model chunk per virtual pipeline stage ({self.layout.num_chunks} here); got {chunks!r:.80}. "
-                "Subclass MegatronLightningModule and implement build_chunk(), or build them yourself."
-            )
-        if not callable(getattr(module, "forward_step", None)):
-            raise MegatronConfigError(f"{type(module).__name__} must define forward_step(batch, chunk).")
-        chunk_params = {id(p) for c in chunks for p in c.parameters()}
-        stray = [n for n, p in module.named_parameters() if id(p) not in chunk_params]
-        if stray:
-            raise MegatronConfigError(
-                f"Parameters outside `model_chunks` are not trained or checkpointed by MegatronAppStrategy: {stray[:3]}. "
-                "Move them into the model chunks."
-            )
-        for chunk in chunks:
-            self._check_chunk_config(get_model_config(chunk))
-        return list(chunks)
-
-    def _check_chunk_config(self, config: Any) -> None:
-        expected = self.parallel.config_kwargs()
-        wrong = {
-            k: (getattr(config, k, None), v)
-            for k, v in expected.items()
-            if k not in ("use_cpu_initialization", "calculate_per_token_loss", "attention_softmax_in_fp32")
-            and getattr(config, k, None) != v
-        }
-        if wrong:
-            details = ", ".join(f"{k}={got!r} (strategy: {want!r})" for k, (got, want) in wrong.items())
-            raise MegatronConfigError(
-                f"The model chunks were built with a config that disagrees with the strategy: {details}. Build the "
-                "TransformerConfig with **self.parallel.config_kwargs()."
-            )
-
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        for chunk in chunks:
-            get_model_config(chunk).calculate_per_token_loss = True  # DDP reads it for its gradient scaling
-        try:
-            ddp_config = DistributedDataParallelConfig(**self._ddp_kwargs)
-        except TypeError as err:
-            raise MegatronConfigError(
-                f"ddp_config has a field megatron-core's DistributedDataParallelConfig lacks: {err}"
-            ) from None
-        wrapped = [
-            # As Megatron-LM: only the first chunk gets bucketed overlap (its gradients are ready last).
-            DistributedDataParallel(get_model_config(c), ddp_config, module=c, disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)
-        ]
-        for chunk in wrapped:
-            chunk.broadcast_params()  # replicas start identical even if a module's init is rank-dependent
-        return wrapped
-
     def _install_config_hooks(self) -> None:
-        """Set the run-time hooks megatron-core's schedules read from the model config."""
-        ddp = [c for c in self._chunks if isinstance(c, DistributedDataParallel)]
-
-        def per_chunk(name: str) -> Any:
-            funcs = [getattr(c, name) for c in ddp]
-            return funcs[0] if len(funcs) == 1 else funcs
-
-        on_cpu = self.parallel.on_cpu
-        for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
-            config.calculate_per_token_loss = True
-            config.batch_p2p_comm = batched_p2p_is_safe(
-                on_cpu=on_cpu, pipeline=self.layout.pipeline, virtual_pipeline=self.layout.virtual_pipeline
-            )
-            config.deallocate_pipeline_outputs = self.deallocate_pipeline_outputs
-            if ddp:
-                config.no_sync_func = per_chunk("no_sync")
-                config.finalize_model_grads_func = finalize_model_grads
-                if self._ddp_kwargs["overlap_grad_reduce"]:
-                    config.grad_sync_func = per_chunk("start_grad_sync")
+        install_config_hooks(
+            self._chunks,
+            self.layout,
+            on_cpu=self.parallel.on_cpu,
+            deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+            overlap_grad_reduce=self._ddp_kwargs["overlap_grad_reduce"],
+        )
         self._sync_timers()
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
