@@ -498,3 +498,25 @@ def test_profiled_steps_are_left_out(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"profiled step\(s\) \[2, 3, 4, 5\] left out"):
         report = detect(tmp_path / "marked")
     assert report.suspects == [] and report.steps == [0, 1], report.table()
+
+
+def test_a_host_paced_rank_whose_host_is_no_slower_is_not_named(tmp_path: Path) -> None:
+    """Launch-bound: one host always paces the step, and its GPU's spans look long beside peers whose GPUs ran
+    ahead and waited in collectives. When its host queued the same ops as fast as its peers' hosts did
+    (``enqueue_us``), nothing is named, and the report says why; the control names the slow host."""
+    fault = {"host_paced": {3: 1.3}}
+    report, _ = run(tmp_path, "slow-host", dp=2, pp=2, tp=1, steps=6, **fault)
+    assert only(report, 3, "host").evidence["host_queue_excess"] > 0.5
+    generate_traces(tmp_path / "launch-bound", dp=2, pp=2, tp=1, steps=6, **fault)
+    for path in list_rank_files(tmp_path / "launch-bound").values():
+        out = []
+        for line in path.read_text().splitlines(keepends=True):
+            if '"enqueue_us"' in line:
+                event = json.loads(line.rstrip().rstrip(","))
+                event["args"]["enqueue_us"] = 1000.0  # every host queues every op alike
+                line = json.dumps(event) + ",\n"
+            out.append(line)
+        path.write_text("".join(out))
+    with pytest.warns(UserWarning, match=r"rank 3: its GPU waited for its host .* launch-bound"):
+        report = detect(tmp_path / "launch-bound")
+    assert report.suspects == [], report.table()

@@ -305,23 +305,73 @@ def own_history_suspects(
     return found
 
 
-def attribute_host(suspects: list[Suspect], pacing: dict[int, float], traces: dict[int, RankTrace]) -> None:
-    """Compute suspects whose spans the host paced become ``host`` suspects (GPU traces with queue fields).
+def attribute_host(
+    suspects: list[Suspect],
+    pacing: dict[int, float],
+    traces: dict[int, RankTrace],
+    min_slowdown: float,
+    notes: list[str],
+) -> list[Suspect]:
+    """Compute suspects whose spans the host paced become ``host`` suspects (GPU traces with queue fields), or are
+    dropped where their host was no slower than their peers'. Returns the suspects kept.
 
     A slow GPU runs behind a full queue; a GPU whose host is slow (CPU contention, a Python-heavy step) reaches
     each span as soon as it is queued, and its spans last as long as the host takes. Where at least half of a
-    suspect's compute spans were host-paced and 30 points more of them than of its peers', the host is named."""
+    suspect's compute spans were host-paced and 30 points more of them than of its peers', the host paced it.
+    That alone does not make the host slow: in a launch-bound job (little GPU work per kernel) one host always
+    paces the step, and its peers' GPUs, ahead, wait in the collectives, so the pacing rank's net compute looks
+    several times theirs although its host is no slower. So the host is named only where it took at least
+    ``min_slowdown`` longer than its peers' hosts to queue the same ops (``enqueue_us``, per op, median of the
+    ratios); otherwise the suspect is dropped with a note."""
     groups = peer_groups(traces)
+    kept = []
     for suspect in suspects:
         if suspect.kind != "compute" or suspect.rank not in pacing:
+            kept.append(suspect)
             continue
-        peers = [pacing[r] for r in groups[suspect.pp] if r != suspect.rank and r in pacing]
+        peer_ranks = [r for r in groups[suspect.pp] if r != suspect.rank and r in pacing]
+        peers = [pacing[r] for r in peer_ranks]
         own = pacing[suspect.rank]
         suspect.evidence["host_paced_fraction"] = round(own, 3)
         if peers:
             suspect.evidence["peers_host_paced_fraction"] = round(statistics.median(peers), 3)
-        if own >= 0.5 and own >= (statistics.median(peers) if peers else 0.0) + 0.3:
-            suspect.kind = "host"
-            suspect.evidence["why_host"] = (
-                "its GPU started most compute spans as soon as the host queued them: the host paced the work"
-            )
+        if not (own >= 0.5 and own >= (statistics.median(peers) if peers else 0.0) + 0.3):
+            kept.append(suspect)
+            continue
+        excess = _host_excess(traces, suspect.rank, peer_ranks)
+        if excess is not None:
+            suspect.evidence["host_queue_excess"] = round(excess, 4)
+            if excess < min_slowdown:
+                notes.append(
+                    f"rank {suspect.rank}: its GPU waited for its host (host-paced spans {100 * own:.0f}%), but "
+                    f"the host queued the same ops only {100 * excess:+.0f}% slower than its peers': a launch-bound "
+                    "job paced by one host, not a slow rank (not named)"
+                )
+                continue
+        suspect.kind = "host"
+        suspect.evidence["why_host"] = (
+            "its GPU started most compute spans as soon as the host queued them: the host paced the work"
+        )
+        kept.append(suspect)
+    return kept
+
+
+def _host_excess(traces: dict[int, RankTrace], rank: int, peers: list[int]) -> Optional[float]:
+    """How much longer ``rank``'s host took to queue its compute ops than its peers' hosts (median over ops of
+    the ratio of median ``enqueue_us``, minus 1); None without queue fields on both sides."""
+
+    def per_op(r: int) -> dict[str, float]:
+        samples: dict[str, list[float]] = defaultdict(list)
+        for s in traces[r].spans:
+            if s["cat"] == "compute" and "enqueue_us" in (s.get("args") or {}):
+                samples[s["name"]].append(float(s["args"]["enqueue_us"]))
+        return {op: statistics.median(values) for op, values in samples.items()}
+
+    own = per_op(rank)
+    theirs = [per_op(p) for p in peers]
+    ratios = []
+    for op, value in own.items():
+        base = [t[op] for t in theirs if op in t and t[op] > 0]
+        if base:
+            ratios.append(value / statistics.median(base))
+    return statistics.median(ratios) - 1.0 if ratios else None

@@ -171,7 +171,7 @@ def detect(
     suspects = step_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
     suspects += cross_stage_suspects(traces, per_rank, layer_samples, min_slowdown, min_z, min_impact_us)
     suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
-    attribute_host(suspects, host_pacing(traces), traces)
+    suspects = attribute_host(suspects, host_pacing(traces), traces, min_slowdown, notes)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us)
     suspects += _data_suspects(traces, per_rank, data_waits(traces), min_slowdown, min_z, min_impact_us)
