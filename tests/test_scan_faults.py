@@ -92,20 +92,21 @@ def test_kept_alive_competitors_pause_between_fits_and_close() -> None:
     fault = CompetingProcess([0], kind="cpu", processes=1, keep_alive=True)
 
     def busy_seconds(child: psutil.Process) -> float:
+        """CPU seconds the child used in one second (a spinner on a loaded 2-core machine still gets 0.3 or so)."""
         start = sum(child.cpu_times()[:2])
-        time.sleep(0.6)
+        time.sleep(1.0)
         return sum(child.cpu_times()[:2]) - start
 
     try:
         fault.on_fit_start(CPU_TRAINER, None)
         (child,) = [c for c in _children() if c.pid not in before]
-        assert busy_seconds(child) > 0.25
+        assert busy_seconds(child) > 0.1
         fault.on_fit_end(CPU_TRAINER, None)
         time.sleep(0.2)
-        assert child.is_running() and busy_seconds(child) < 0.15  # paused, not ended
+        assert child.is_running() and busy_seconds(child) < 0.05  # paused (waiting on an event), not ended
         fault.on_fit_start(CPU_TRAINER, None)
         assert [c.pid for c in _children() if c.pid not in before] == [child.pid]  # the same process
-        assert busy_seconds(child) > 0.25
+        assert busy_seconds(child) > 0.1
     finally:
         fault.close()
     assert [c.pid for c in _children() if c.pid not in before] == []
