@@ -4,11 +4,16 @@
     python benchmarks/throughput.py --only gpt-1.3b/tp2 --profile profile.txt      # + torch.profiler tables
     python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf
     python benchmarks/throughput.py --cpu-dry-run --out /tmp/throughput.json        # tiny shapes, checks plumbing
+    python benchmarks/throughput.py --only gpt-1.3b/tp2 --runners strategy-sdpa --fusion-ab   # A/B in one fit
 
 Every case runs in its own processes (``torchrun --standalone``), one after another, so runs do not share
 memory or caches. Each reports the median step time over the measured steps (after warm-up), tokens per
 second, model TFLOP/s per GPU by Megatron-LM's formula (``num_floating_point_operations``), and the peak
 memory of the busiest GPU.
+
+``--fusion-ab``: the strategy runners alternate blocks of two steps without and with
+``gradient_accumulation_fusion`` in one fit (the weight-gradient GEMM accumulating into fp32 ``main_grad``), so
+the two are compared on one model in one launch; both medians and the speed-up are reported.
 
 Runners:
 * ``strategy-<spec>``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule(layer_spec=<spec>)``.
@@ -88,13 +93,15 @@ class StepProfiler:
         self.enabled = bool(spec.get("profile")) and int(os.environ.get("RANK", 0)) == 0
         self.path = Path(spec["result_dir"], "profile.txt")
         self.profiler: Any = None
+        self.first = self.total_steps(spec) - PROFILED  # the profiled steps come after every measured one
 
     @staticmethod
     def total_steps(spec: dict[str, Any]) -> int:
-        return WARMUP + MEASURED + (PROFILED if spec.get("profile") else 0)
+        measured = 2 * MEASURED if spec.get("fusion_ab") else MEASURED  # A/B: both variants get MEASURED steps
+        return WARMUP + measured + (PROFILED if spec.get("profile") else 0)
 
     def step_started(self, step: int) -> None:
-        if self.enabled and step == WARMUP + MEASURED:
+        if self.enabled and step == self.first:
             import torch
 
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -104,7 +111,7 @@ class StepProfiler:
             self.profiler.__enter__()
 
     def step_ended(self, step: int) -> None:
-        if self.profiler is not None and step == WARMUP + MEASURED + PROFILED - 1:
+        if self.profiler is not None and step == self.first + PROFILED - 1:
             _synchronize()
             self.profiler.__exit__(None, None, None)
             averages = self.profiler.key_averages()
@@ -149,17 +156,32 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
     profiler = StepProfiler(spec)
     steps = StepProfiler.total_steps(spec)
 
+    fused_times: list[float] = []  # --fusion-ab: the steps run with gradient_accumulation_fusion
+    ab = bool(spec.get("fusion_ab"))
+
     class StepTimer(pl.Callback):
+        fused: Any = None
+
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if ab:  # after warm-up, blocks of two steps: without, with, without, ... (same model, same launch)
+                from lightning_megatron.pipeline.wgrad import split_linears
+
+                want = trainer.global_step >= WARMUP and (trainer.global_step - WARMUP) // 2 % 2 == 1
+                if want and self.fused is None:
+                    self.fused = split_linears(trainer.strategy.wrapped_chunks)
+                elif not want and self.fused is not None:
+                    self.fused.restore()
+                    self.fused = None
             _synchronize()
             profiler.step_started(trainer.global_step)
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             _synchronize()
-            times.append(time.perf_counter() - self.start)
+            (fused_times if self.fused is not None else times).append(time.perf_counter() - self.start)
             profiler.step_ended(trainer.global_step - 1)
 
+    timer = StepTimer()
     trainer = pl.Trainer(
         accelerator=spec["accelerator"],
         devices=gpus,
@@ -176,7 +198,7 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[StepTimer()],
+        callbacks=[timer],
     )
     model = GPTModule(
         vocab_size=m["vocab_size"],
@@ -196,6 +218,8 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
         num_train_samples=gbs * steps,
     )
     trainer.fit(model, data)
+    if ab:  # handed to _worker beside the return value (the other runners have no A/B)
+        spec["fused_step_seconds"] = fused_times[:MEASURED]
     return times[WARMUP : WARMUP + MEASURED]
 
 
@@ -363,6 +387,8 @@ def _worker(spec: dict[str, Any]) -> None:
     )
     rank = int(os.environ.get("RANK", 0))
     record = {"rank": rank, "step_seconds": times, "peak_memory_gib": _peak_memory_gib()}
+    if "fused_step_seconds" in spec:
+        record["fused_step_seconds"] = spec["fused_step_seconds"]
     Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -393,7 +419,21 @@ def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, opt
     step = statistics.median(max(r["step_seconds"][i] for r in ranks) for i in range(len(ranks[0]["step_seconds"])))
     dp = gpus // (tp * pp)
     gbs = model["micro_batch_size"] * model["num_microbatches"] * dp
+    ab = {}
+    if all("fused_step_seconds" in r for r in ranks):
+        fused = statistics.median(
+            max(r["fused_step_seconds"][i] for r in ranks) for i in range(len(ranks[0]["fused_step_seconds"]))
+        )
+        ab = {
+            "fusion_ab": {
+                "without_s": step,
+                "with_s": fused,
+                "speedup": step / fused,
+                "alternated": "blocks of 2 steps",
+            }
+        }
     return {
+        **ab,
         "gpus": gpus,
         "tp": tp,
         "pp": pp,
@@ -421,6 +461,11 @@ def main() -> int:
         "--strategy-options",
         type=json.loads,
         help='MegatronAppStrategy arguments (JSON) for the strategy runners, e.g. {"gradient_accumulation_fusion": true}',
+    )
+    parser.add_argument(
+        "--fusion-ab",
+        action="store_true",
+        help="strategy runners: alternate blocks of steps without and with gradient_accumulation_fusion in one fit",
     )
     parser.add_argument("--label", default="", help="suffix of the run names, e.g. for runs with --overrides")
     args = parser.parse_args()
@@ -450,6 +495,7 @@ def main() -> int:
         "profile": str(args.profile) if args.profile else None,
         "overrides": args.overrides,
         "strategy_options": args.strategy_options,
+        "fusion_ab": args.fusion_ab,
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in models.items():
@@ -471,6 +517,8 @@ def main() -> int:
                         f"{result['tokens_per_second']:9.0f} tok/s {result['model_tflops_per_gpu']:7.1f} TFLOP/s/GPU "
                         f"{result['peak_memory_gib']:6.1f} GiB"
                     )
+                    if "fusion_ab" in result:
+                        shown += f"  with gradient_accumulation_fusion: {result['fusion_ab']['speedup']:.3f}x"
                     print(f"{name:>12} {layout:>8} {runner + args.label:>22}  {shown}", flush=True)
     return 0 if all("error" not in r for r in report["runs"].values()) else 1
 
