@@ -162,6 +162,19 @@ def _device_path_on_host() -> dict[str, Any]:
         t.wait_sends(timeout=30)
         out["pulls"] = t.pulls
         out["poster_queued"] = t._poster.queued
+        # A stream on one tag, all arrived before the first take: the takes start the pulls behind them at once
+        # (taken ahead, in order), and every message still comes out whole and in order.
+        stream = [t.isend(peer, 400, pattern(4 * MiB + i, seed=4000 * rank + i)) for i in range(6)]
+        dist.barrier()
+        time.sleep(0.5)  # the descriptors have landed in the mailbox (the data waits for the pulls: rendezvous)
+        ahead_before = t.pulled_ahead
+        for i in range(6):
+            got = t.poll(peer, 400) if i == 1 else None  # a poll serves taken-ahead messages too
+            got = got if got is not None else t.recv(peer, 400)
+            check_received(got, pattern(4 * MiB + i, seed=4000 * peer + i), f"stream message {i}")
+        out["pulled_ahead"] = t.pulled_ahead - ahead_before
+        for h in stream:
+            h.wait(30)
         # A message never taken: its kept descriptor is released at close, nothing hangs.
         if rank == 0:
             t.isend(peer, 900, pattern(16 * MiB, seed=9))
@@ -181,6 +194,7 @@ def test_device_path_with_host_memory(ranks: Any) -> None:
     for out in outs:
         # 1, 8 and 32 MiB, the three large FIFO messages and the 12 MiB non-contiguous one come by rendezvous
         assert out["pulls"] >= 5, outs
+        assert out["pulled_ahead"] >= 3, outs  # the stream's pulls ran side by side, not one take at a time
         assert out["close_s"] < 10, outs
 
 

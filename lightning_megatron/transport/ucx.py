@@ -42,14 +42,16 @@ chooses; ``transports_to`` lists the lanes), never through a copy of ours:
   ``timeout``) before returning it; so taking such a message blocks for the length of the GPU-to-GPU transfer
   (the data is already computed: the sender waited for it). Eager device messages (small) arrive in a host
   buffer and are copied to the device, as are messages from host memory. Received tensors are on the
-  transport's device, as with ``shm``.
+  transport's device, as with ``shm``. A take also takes the messages already waiting behind it on the same
+  ``(peer, tag)`` (up to ``PREFETCH_MESSAGES`` and ``PREFETCH_BYTES``) and starts their pulls, kept in order for
+  the next takes of that key, so a stream of large messages is received side by side, not one pull at a time.
 
 Tested so far: ``tests/test_transport_ucx_gpu.py`` passed once on 2 H200s (NVLink) with the ``libucx-cu13``
 1.22.0 wheel, torch 2.11+cu130, Python 3.12: UCX chose ``["posix/memory", "cuda_ipc/cuda"]``, a 64 MiB tensor
 made the round trip at ~122 GB/s, and with the event wait removed its still-being-computed case got stale data
 (so the case does catch it). The streaming benchmark (``benchmarks/transport.py --gpu --quick``) gave ucx 78
-GB/s at 16 MiB against shm's 175 GB/s: each deferred message is received when taken, one at a time. The
-mechanics of the deferred receive are also checked on CPUs with host memory standing in for GPU memory
+GB/s at 16 MiB against shm's 175 GB/s, when each deferred message was received when taken, one at a time
+(taking ahead came after that run and is measured on CPUs only). The mechanics of the deferred receive are also checked on CPUs with host memory standing in for GPU memory
 (``tests/test_transport_ucx.py::test_device_path_with_host_memory``). Not tested: other UCX versions, GPUs
 without peer access or on other hosts (UCX would stage through the host or use its network transports),
 torch's ``expandable_segments`` allocator, a peer dying mid-pull.
@@ -60,11 +62,9 @@ from __future__ import annotations
 import glob
 import os
 import struct
-import threading
-import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -74,6 +74,7 @@ from lightning_megatron.transport import find_libucp
 from lightning_megatron.transport import header as hdr
 from lightning_megatron.transport.base import SendHandle, TransportError, TransportTimeout
 from lightning_megatron.transport.native import NativeTransport, _native, node_identity
+from lightning_megatron.transport.ucx_post import Poster, QueuedSendHandle
 
 __all__ = ["EXTRA", "UcxTransport", "load_ucx", "ucx_cuda_modules"]
 
@@ -164,130 +165,6 @@ def load_ucx() -> str:
     )
 
 
-class _QueuedSendHandle(SendHandle):
-    """A send that may wait in the transport's queue (for its CUDA data to be computed) before UCX gets it."""
-
-    __slots__ = ("_error", "_op", "_posted", "_tensor")
-
-    def __init__(self, peer: int, tag: int, nbytes: int, step: int, tensor: Optional[torch.Tensor]) -> None:
-        super().__init__(peer, tag, nbytes, step)
-        self._tensor = tensor
-        self._op: Any = None
-        self._error: Optional[BaseException] = None
-        self._posted = threading.Event()
-
-    def done(self) -> bool:
-        if self._error is not None:
-            raise self._error
-        op = self._op
-        if op is None or not op.done():  # op.done() raises PeerLost / TransportError if the send failed
-            return False
-        self._tensor = None
-        return True
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._posted.wait(timeout):
-            raise TransportTimeout(
-                f"send to rank {self.peer} with tag {self.tag} ({self.nbytes} bytes) not handed to UCX after "
-                f"{timeout:.1f} s: the kernels computing the tensor on its GPU (or the sends before it) have not finished."
-            )
-        if self._error is not None:
-            raise self._error
-        left = 1e9 if deadline is None else max(deadline - time.monotonic(), 0.0)
-        if not self._op.wait(left):
-            raise TransportTimeout(
-                f"send to rank {self.peer} with tag {self.tag} ({self.nbytes} bytes) not complete after "
-                f"{timeout:.1f} s: is rank {self.peer} receiving?"
-            )
-        self._tensor = None
-
-
-class _Poster:
-    """Hands sends to the engine in order, each once its CUDA event (if any) has completed: inline when nothing
-    waits before it and its data is ready, else through one thread that waits on the events (GIL released)."""
-
-    def __init__(self, label: str, device: torch.device) -> None:
-        self.label, self.device = label, device
-        self._items: deque[tuple[_QueuedSendHandle, Optional[torch.cuda.Event], Callable[[], Any]]] = deque()
-        self._cv = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-        self.queued = 0  # sends that waited for their data (for tests and benchmarks)
-
-    def submit(self, handle: _QueuedSendHandle, event: Optional[torch.cuda.Event], post: Callable[[], Any]) -> None:
-        with self._cv:
-            if self._closed:
-                raise TransportError(f"{self.label} is closed.")
-            if not self._items and (event is None or event.query()):
-                self._post(handle, post)  # under the lock: nothing can overtake it
-                return
-            self._items.append((handle, event, post))
-            self.queued += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lmt-ucx-post", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    @staticmethod
-    def _post(handle: _QueuedSendHandle, post: Callable[[], Any]) -> None:
-        try:
-            handle._op = post()
-        except BaseException as exc:  # noqa: BLE001  (reported by the handle)
-            handle._error = exc if isinstance(exc, TransportError) else TransportError(str(exc))
-            handle._tensor = None
-        handle._posted.set()
-
-    def _run(self) -> None:
-        try:
-            torch.cuda.set_device(self.device)  # event waits must not make a context on another GPU
-        except Exception:  # noqa: BLE001
-            pass
-        while True:
-            with self._cv:
-                while not self._items and not self._closed:
-                    self._cv.wait()
-                if not self._items:
-                    return
-                handle, event, post = self._items[0]  # stays first (later sends queue behind it) until posted
-            error = None
-            try:
-                if event is not None:
-                    event.synchronize()
-            except Exception as exc:  # noqa: BLE001  (a CUDA error: the tensor's producers failed)
-                error = TransportError(
-                    f"{self.label}: waiting for the data of the send with tag {handle.tag} to rank {handle.peer} "
-                    f"on {self.device} failed: {exc}"
-                )
-            with self._cv:
-                if self._items and self._items[0][0] is handle:
-                    self._items.popleft()
-                    if error is None and self._closed:
-                        error = TransportError(f"{self.label} was closed before this message was sent")
-                    if error is not None:
-                        handle._error, handle._tensor = error, None
-                        handle._posted.set()
-                    else:
-                        self._post(handle, post)
-                self._cv.notify_all()
-
-    def pending(self) -> bool:
-        with self._cv:
-            return bool(self._items)
-
-    def close(self, timeout: float = 5.0) -> None:
-        with self._cv:
-            self._closed = True
-            while len(self._items) > 1:  # the first may be in the thread's hands; it fails itself
-                handle, _, _ = self._items.pop()
-                handle._error = TransportError(f"{self.label} was closed before this message was sent")
-                handle._tensor = None
-                handle._posted.set()
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-
 class UcxTransport(NativeTransport):
     """UCX active messages between ranks (one UCP worker and progress thread per transport, C++).
 
@@ -313,13 +190,17 @@ class UcxTransport(NativeTransport):
         close_timeout: float = 5.0,
         **kwargs: Any,
     ) -> None:
-        self._poster: Optional[_Poster] = None
+        self._poster: Optional[Poster] = None
         self._alloc_stream: Any = None
         self._direct: Optional[torch.device] = None  # tensors on this device are sent from their own memory
         self._memory_type = _CUDA
         self.pulls = 0  # messages received straight into device memory (for tests and benchmarks)
+        self.pulled_ahead = 0  # ... of them, those whose pull started before they were asked for
         self._orphans: list[torch.Tensor] = []
         """Destinations of pulls that failed or timed out: UCX may still write into them, so they live until close."""
+        self._ahead: dict[tuple[int, int], deque[tuple[torch.Tensor, Any, int]]] = {}
+        """Per ``(peer, tag)``, in FIFO order: messages taken from the mailbox early, so the pulls of deferred ones
+        run at once, side by side (tensor, its pull or None when it is complete already, length)."""
         self.cuda_direct = False
         """Whether CUDA tensors on ``device`` are sent from GPU memory (else staged through the host)."""
         super().__init__(**kwargs)
@@ -377,7 +258,7 @@ class UcxTransport(NativeTransport):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        self._poster = _Poster(self.label, self.device)
+        self._poster = Poster(self.label, self.device)
 
     def _device_mode(self, index: int, flags: int) -> None:
         op = self._engine.device_mode(index, flags)
@@ -399,7 +280,7 @@ class UcxTransport(NativeTransport):
         self._memory_type = _HOST
         self._direct = self.device
         self.cuda_direct = True
-        self._poster = _Poster(self.label, self.device)
+        self._poster = Poster(self.label, self.device)
 
     def transports_to(self, peer: int) -> list[str]:
         """What UCX chose for the endpoint to ``peer``: ``"transport/device"`` per lane, e.g. ``["posix/memory"]``
@@ -432,7 +313,7 @@ class UcxTransport(NativeTransport):
             return super()._isend(peer, tag, tensor, step)
         header = hdr.pack(hdr.encode(tag, tensor))
         nbytes = tensor.numel() * tensor.element_size()
-        handle = _QueuedSendHandle(peer, tag, nbytes, step, tensor)
+        handle = QueuedSendHandle(peer, tag, nbytes, step, tensor)
         engine = self._engine
         address = tensor.data_ptr() if nbytes else 0
         event = None
@@ -460,18 +341,114 @@ class UcxTransport(NativeTransport):
         from lightning_megatron.transport.native import encode_bytes_message
 
         message = encode_bytes_message(tag, data)
-        handle = _QueuedSendHandle(peer, tag, len(data), self._step, None)
+        handle = QueuedSendHandle(peer, tag, len(data), self._step, None)
         self._poster.submit(handle, None, lambda: self._engine.isend(peer, tag, message, 0, 0))
         return handle
 
-    def _decode(self, peer: int, tag: int, header: bytes, buf: Any) -> torch.Tensor:
-        if len(header) == hdr.HEADER_BYTES + _TRAILER.size and hdr.kind_of(header) == KIND_PULL:
-            return self._pull(peer, tag, header)
-        tensor = super()._decode(peer, tag, header, buf)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+    # -- receiving ------------------------------------------------------------------------------------------------
+    # A deferred device message is received when Python takes it. One at a time, each take would wait for its own
+    # transfer, and a stream of large messages would move at the speed of one pull after another. So a take also
+    # takes the messages already waiting behind it on the same (peer, tag), up to PREFETCH_MESSAGES and
+    # PREFETCH_BYTES, starts their pulls, and keeps them (``_ahead``) in order for the next takes of that key.
 
-    def _pull(self, peer: int, tag: int, header: bytes) -> torch.Tensor:
-        """Receive a deferred device message straight into a fresh tensor on this transport's device."""
+    PREFETCH_MESSAGES = 8
+    PREFETCH_BYTES = 512 << 20
+
+    def _is_deferred(self, header: bytes) -> bool:
+        return len(header) == hdr.HEADER_BYTES + _TRAILER.size and hdr.kind_of(header) == KIND_PULL
+
+    def _decode(self, peer: int, tag: int, header: bytes, buf: Any) -> torch.Tensor:
+        if not self._is_deferred(header):
+            tensor = super()._decode(peer, tag, header, buf)
+            return tensor if self.device.type == "cpu" else tensor.to(self.device)
+        out, op, length = self._start_pull(peer, tag, header)
+        self._take_ahead(peer, tag)
+        return self._finish_pull(peer, tag, out, op, length, self.timeout)
+
+    def _take_ahead(self, peer: int, tag: int) -> None:
+        """Take what already waits behind a deferred message on ``(peer, tag)``, starting the pulls."""
+        ahead = self._ahead.setdefault((peer, tag), deque())
+        queued = sum(length for _, op, length in ahead if op is not None)
+        while len(ahead) < self.PREFETCH_MESSAGES and queued < self.PREFETCH_BYTES:
+            msg = self._engine.take(peer, tag)
+            if msg is None:
+                return
+            header, buf = msg
+            if self._is_deferred(header):
+                out, op, length = self._start_pull(peer, tag, header)
+                ahead.append((out, op, length))
+                queued += length
+                self.pulled_ahead += 1
+            else:
+                ahead.append((self._decode(peer, tag, header, buf), None, 0))
+
+    def _next_ahead(self, peer: int, tag: int, timeout: Optional[float]) -> Optional[torch.Tensor]:
+        """The oldest message taken ahead on ``(peer, tag)``: at once (``timeout=None``: only if its data is
+        there), else after waiting up to ``timeout``; None if there is none (or, polling, not there yet)."""
+        ahead = self._ahead.get((peer, tag))
+        if not ahead:
+            return None
+        out, op, length = ahead[0]
+        if op is not None and timeout is None and not op.done():
+            return None
+        ahead.popleft()
+        if op is None:
+            return out
+        self._take_ahead(peer, tag)  # keep the pipeline full
+        return self._finish_pull(peer, tag, out, op, length, self.timeout if timeout is None else timeout)
+
+    def _poll(self, peer: int, tag: int) -> Optional[torch.Tensor]:
+        if self._ahead.get((peer, tag)):
+            return self._next_ahead(peer, tag, None)
+        return super()._poll(peer, tag)
+
+    def _recv(self, peer: int, tag: int, timeout: float) -> Optional[torch.Tensor]:
+        if self._ahead.get((peer, tag)):
+            return self._next_ahead(peer, tag, timeout)
+        return super()._recv(peer, tag, timeout)
+
+    def _poll_any(self, keys: list[tuple[int, int]]) -> Optional[tuple[int, torch.Tensor]]:
+        waiting = False
+        for index, (peer, tag) in enumerate(keys):
+            if self._ahead.get((peer, tag)):
+                waiting = True
+                tensor = self._next_ahead(peer, tag, None)
+                if tensor is not None:
+                    return index, tensor
+        if not waiting:
+            return super()._poll_any(keys)
+        # keys with messages taken ahead get later ones only after those: ask the mailbox for the others
+        rest = [(i, key) for i, key in enumerate(keys) if not self._ahead.get(key)]
+        if not rest:
+            return None
+        got = super()._poll_any([key for _, key in rest])
+        return None if got is None else (rest[got[0]][0], got[1])
+
+    def _wait_any(self, keys: list[tuple[int, int]], timeout: float) -> Optional[tuple[int, torch.Tensor]]:
+        for index, (peer, tag) in enumerate(keys):
+            if self._ahead.get((peer, tag)):  # a message is there (its data may still be landing): take it
+                tensor = self._next_ahead(peer, tag, timeout)
+                return None if tensor is None else (index, tensor)
+        return super()._wait_any(keys, timeout)
+
+    def poll_bytes(self, peer: int, tag: int) -> Optional[bytes]:
+        if self._ahead.get((peer, tag)):
+            raise TransportError(self._mixed(peer, tag))
+        return super().poll_bytes(peer, tag)
+
+    def recv_bytes(self, peer: int, tag: int, timeout: Optional[float] = None) -> bytes:
+        if self._ahead.get((peer, tag)):
+            raise TransportError(self._mixed(peer, tag))
+        return super().recv_bytes(peer, tag, timeout)
+
+    def _mixed(self, peer: int, tag: int) -> str:
+        return (
+            f"{self.label}: bytes asked for on tag {tag} from rank {peer}, where device tensors already taken wait to "
+            "be received; use one tag for tensors and another for bytes."
+        )
+
+    def _start_pull(self, peer: int, tag: int, header: bytes) -> tuple[torch.Tensor, Any, int]:
+        """Allocate the deferred message's tensor on this transport's device and start receiving into it."""
         if self._direct is None:
             raise TransportError(f"{self.label}: a deferred message from rank {peer} (tag {tag}) on a CPU transport")
         words = list(_WORDS.unpack(header[: hdr.HEADER_BYTES]))
@@ -494,10 +471,20 @@ class UcxTransport(NativeTransport):
             out = torch.empty(h.shape, dtype=h.dtype)
         try:
             op = self._engine.pull(peer, token, out.data_ptr(), length, self._memory_type)
-            if not op.wait(self.timeout):
+        except BaseException:
+            self._orphans.append(out)
+            raise
+        return out, op, length
+
+    def _finish_pull(
+        self, peer: int, tag: int, out: torch.Tensor, op: Any, length: int, timeout: float
+    ) -> torch.Tensor:
+        """Wait for a pull's data to land (up to ``timeout``) and hand the tensor over."""
+        try:
+            if not op.wait(timeout):
                 raise TransportTimeout(
                     f"{self.label}: the data of the message from rank {peer} with tag {tag} ({length} bytes) did not "
-                    f"land in GPU memory within {self.timeout:.1f} s."
+                    f"land in GPU memory within {timeout:.1f} s."
                 )
         except BaseException:  # a timeout, a lost peer, Ctrl-C: UCX may still write into `out`
             self._orphans.append(out)
@@ -514,3 +501,4 @@ class UcxTransport(NativeTransport):
             self._poster.close()
         super()._close()
         self._orphans = []  # the engine is closed: UCX writes nothing any more
+        self._ahead = {}
