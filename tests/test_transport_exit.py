@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import transport_cases  # noqa: F401  (registers shm+delay; the spawned ranks import this module, so they have it too)
 from distributed import free_port
 
 from lightning_megatron.transport import available_transports, create_transport
