@@ -99,6 +99,7 @@ def main() -> int:
     parser.add_argument(
         "--layer-spec", default=None, help="the layer implementation (models.specs; default: local, sdpa with --split)"
     )
+    parser.add_argument("--cases", nargs="*", help="only these cases, by name (default: all of the layout's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if "RANK" not in os.environ:
@@ -110,6 +111,14 @@ def main() -> int:
         split_worker(args)
         return 0
     make = vpp_cases if args.vpp else zb_cases
+    if args.cases:
+        known = [case["name"] for case in make(0.0)]
+        unknown = sorted(set(args.cases) - set(known))
+        if unknown:
+            parser.error(f"--cases {' '.join(unknown)}: not a case of this layout; choose from {', '.join(known)}")
+        if known[0] not in args.cases:
+            parser.error(f"--cases: include {known[0]!r}, the baseline every speed-up is measured against")
+        every, make = make, lambda forward_s: [case for case in every(forward_s) if case["name"] in args.cases]
     worker(
         args,
         make_cases=make,
