@@ -11,9 +11,10 @@ step time of ``strategy.forward_backward``, peak GPU memory, the loss of each ca
   ``gradient_accumulation_fusion``: the weight-gradient GEMM accumulating into fp32 ``main_grad``, which ``zb-h1``'s
   W tasks use too, so the two effects can be told apart), ``zb-h1`` (1F1B's order with B and W split, W run in what
   would be waits, pending Ws bounded by the memory rule of ``pipeline/dpp/schedule.py``: activations + pending Ws
-  within the first rank's 1F1B peak), ``zb-h1-own-rank`` (each rank within its own 1F1B peak), and ``zb-h1`` with no
-  W deferred (W right after its B: the split's own cost,
-  without the reordering);
+  within the first rank's 1F1B peak), ``zb-h1-own-rank`` (each rank within its own 1F1B peak),
+  ``zb-h1-budget-1.05`` (own-rank's count, and beyond it pending Ws kept layer by layer within 1.05x the most loaded
+  rank's peak memory measured in the first step), and ``zb-h1`` with no W deferred (W right after its B: the
+  split's own cost, without the reordering);
 * ``--vpp 2`` (PP2 × VPP2): ``interleaved`` (the baseline) and ``dpp`` static with ``split_weight_grads``.
 
 Theory beside each (Qi et al., zero bubble): with forward F, input-gradient B and weight-gradient W per stage
@@ -47,6 +48,13 @@ def zb_cases(forward_s: float) -> list[dict[str, Any]]:
             condition="clean",
             schedule="zb-h1",
             options={"weight_grad_memory": "own-rank"},
+            baseline="1f1b",
+        ),
+        dict(
+            name="zb-h1-budget-1.05",
+            condition="clean",
+            schedule="zb-h1",
+            options={"weight_grad_memory": 1.05},
             baseline="1f1b",
         ),
         dict(

@@ -54,6 +54,19 @@ def fit_recording(world_size: int, steps: int = 3, callbacks: Optional[list] = N
     return result
 
 
+def fit_recording_with_allowance(world_size: int, fraction: float, **strategy: Any) -> dict[str, Any]:
+    """``fit_recording`` under a byte budget (``weight_grad_memory`` a number) whose allowance, which CPUs cannot
+    measure, is set from step 1 on to ``fraction`` of the largest weight-gradient stash step 0 saw."""
+
+    class Allowance(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            session = trainer.strategy._session
+            if session is not None:
+                session.weight_grad_bytes = int(fraction * session.last_weight_grad_bytes)
+
+    return fit_recording(world_size, callbacks=[Allowance()], **strategy)
+
+
 class _Experiments(pl.Callback):
     """At the start of training, run one step's forward and backward under each (policy, delay seed) with a fresh
     dpp session each, and record its loss and gradients; the reference is the static policy without delays."""

@@ -216,6 +216,10 @@ def test_killed_peer_raises_peer_lost(tmp_path: Path) -> None:
             dict(schedule="zb-h1", schedule_options={"weight_grad_memory": "last"}),
             ["weight_grad_memory='last'", "own-rank"],
         ),
+        (
+            dict(schedule="zb-h1", schedule_options={"weight_grad_memory": 0.9}),
+            ["weight_grad_memory=0.9", "from 1.0 to 4.0"],
+        ),
     ],
 )
 def test_bad_settings_fail_when_the_strategy_is_built(kwargs: dict[str, Any], words: list[str]) -> None:
@@ -325,6 +329,27 @@ def test_zero_bubble_within_each_ranks_own_1f1b_memory(ranks: Any) -> None:
         assert_close(got[rank], want[rank], 1e-6, f"zb-h1 own-rank memory, rank {rank}")
         assert got[rank]["peak_held"] <= world - rank, (rank, got[rank]["peak_held"], got[rank]["sequence"])
     assert default[world - 1]["peak_held"] > got[world - 1]["peak_held"], "the option must change the last rank"
+
+
+def test_zero_bubble_byte_budget_keeps_part_of_a_weight_gradient(ranks: Any) -> None:
+    """``weight_grad_memory`` a number: past ``"own-rank"``'s count, pending Ws are kept while their bytes fit the
+    allowance, and the oldest runs layer by layer (``w`` parts) until they do; the sums are 1f1b's. On CPUs the
+    allowance is not measured (it stays 0: ``"own-rank"``), so the test sets it to half a W from step 1 on."""
+    world, strategy = ZB_LAYOUTS["pp2"]
+    want = ranks.run(world, dc.fit_recording, world, schedule="1f1b", **strategy)
+    options = {"weight_grad_memory": 1.1}
+    as_own_rank = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=options, **strategy)
+    own_rank = {"weight_grad_memory": "own-rank"}
+    reference = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=own_rank, **strategy)
+    got = ranks.run(
+        world, dc.fit_recording_with_allowance, world, 0.5, schedule="zb-h1", schedule_options=options, **strategy
+    )
+    for rank in range(world):
+        assert as_own_rank[rank]["sequence"] == reference[rank]["sequence"], f"CPU budget is own-rank, rank {rank}"
+        assert_close(got[rank], want[rank], 1e-6, f"zb-h1 byte budget, rank {rank}")
+    parts = [s for s in got[world - 1]["sequence"] if s.startswith("w")]
+    assert parts, got[world - 1]["sequence"]
+    assert got[world - 1]["sequence"] != reference[world - 1]["sequence"]
 
 
 def test_split_weight_grads_with_virtual_stages_and_reordering(ranks: Any) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline.dpp.policy import POLICIES
@@ -39,12 +39,29 @@ class DppOptions:
     max_deferred_weight_grads: Optional[int] = None
     """With ``split_weight_grads``: most microbatches whose weight gradients wait. Default: no count; the memory
     rule alone bounds them (a pending W counts as a held activation, under ``weight_grad_memory``'s peak)."""
-    weight_grad_memory: str = "first-rank"
-    """With ``split_weight_grads``, the memory rule's bound on activations held + Ws pending: ``"first-rank"``,
-    the first pipeline rank's 1F1B peak on every rank (later ranks may defer Ws into the room 1F1B leaves them:
-    the faster choice, but the last rank's pending output-layer W holds the logits' gradient, and on a 1.3B GPT
-    at PP2 its peak grew from 16.6 to 23.8 GiB, above the first rank's 19.0), or ``"own-rank"``, each rank's own
-    1F1B peak (no rank above its 1F1B memory; later ranks defer less)."""
+    weight_grad_memory: Union[str, float] = "first-rank"
+    """With ``split_weight_grads``, what bounds the activations held + Ws pending before a forward:
+
+    * ``"first-rank"``: the first pipeline rank's 1F1B peak, counted in microbatches, on every rank (later ranks
+      may defer Ws into the room 1F1B leaves them: the fastest, but counts are not bytes: the last rank also holds
+      the logits, and on a 1.3B GPT at PP2 its peak grew from 16.6 to 23.6 GiB, 1.24x the first rank's 19.0);
+    * ``"own-rank"``: each rank's own 1F1B peak (no rank above its 1F1B memory; later ranks defer less);
+    * a number >= 1.0, a byte budget: ``"own-rank"``'s count, and beyond it pending weight gradients kept (layer by
+      layer) while this rank's peak stays within that multiple of the most loaded pipeline rank's peak GPU memory,
+      measured in the first training step (which runs ``"own-rank"``). On CPUs, which keep no allocator
+      statistics, it is ``"own-rank"``."""
+
+
+def _check_weight_grad_memory(value: Any) -> None:
+    if isinstance(value, str) and value in WEIGHT_GRAD_MEMORY:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 1.0 <= value <= 4.0:
+        return
+    raise MegatronConfigError(
+        f"schedule_options.weight_grad_memory={value!r}: choose 'first-rank' (the default: every rank within the "
+        "first rank's 1F1B peak, counted in microbatches), 'own-rank' (every rank within its own), or a number "
+        "from 1.0 to 4.0 (a byte budget: that multiple of the most loaded rank's measured peak GPU memory)."
+    )
 
 
 def parse_options(raw: Mapping[str, Any]) -> DppOptions:
@@ -59,11 +76,7 @@ def parse_options(raw: Mapping[str, Any]) -> DppOptions:
             f"schedule_options.extra_activations={options.extra_activations!r}: a whole number >= 0 (each extra "
             "activation costs one microbatch's stage activations in memory)."
         )
-    if options.weight_grad_memory not in WEIGHT_GRAD_MEMORY:
-        raise MegatronConfigError(
-            f"schedule_options.weight_grad_memory={options.weight_grad_memory!r}: choose 'first-rank' (the default: "
-            "every rank within the first rank's 1F1B peak) or 'own-rank' (every rank within its own)."
-        )
+    _check_weight_grad_memory(options.weight_grad_memory)
     limit = options.max_deferred_weight_grads
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         raise MegatronConfigError(

@@ -32,10 +32,12 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
   on its most loaded rank. The first rank defers nothing while it is full (its W runs just before its next
   forward, and in the cool-down, when no forward comes, into its waits); later ranks, which 1F1B leaves with
   room, defer up to their rank's worth of Ws, so their input gradients reach the ranks before them sooner.
-  ZB-H1 (Qi et al.) bounds the same quantity. Counts are not bytes: the last rank's pending W of the output
-  layer holds the logits' gradient, so there the rule can exceed the first rank's memory (measured on a 1.3B GPT,
-  ``benchmarks/results/zb_m16_sdpa_2xh200.json``); ``weight_grad_memory="own-rank"`` bounds every rank by its
-  own 1F1B peak instead.
+  ZB-H1 (Qi et al.) bounds the same quantity. Counts are not bytes: the last rank also holds the logits, so
+  there the rule can exceed the first rank's memory (measured on a 1.3B GPT at PP2: 1.24x,
+  ``benchmarks/results/zb_m8_sdpa_2xh200.json``); ``weight_grad_memory="own-rank"`` bounds every rank by its
+  own 1F1B peak instead, and a number is a byte budget: own-rank's count, and beyond it pending Ws kept while
+  their bytes fit what the most loaded rank's measured peak (times that number) leaves this rank; the oldest
+  then runs layer by layer until they fit.
 
 Waits are bounded by the strategy's timeout (:class:`~lightning_megatron.transport.TransportTimeout` names what
 was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost` naming it.
@@ -44,6 +46,7 @@ was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -113,6 +116,12 @@ class DppSession:
         """Most activations held at once in the last step."""
         self.last_peak_held = 0
         """Most activations held plus weight gradients pending at once in the last step (the memory rule's)."""
+        self.last_weight_grad_bytes = 0
+        """The most bytes one microbatch's pending weight gradients kept in the last step."""
+        self.weight_grad_bytes = 0
+        """A byte budget's allowance: bytes of pending weight gradients this rank may keep beyond the count of
+        ``"own-rank"`` (measured after the first training step; 0 until then, and without a budget)."""
+        self._budget_measured = False
 
     # -- lifetime -------------------------------------------------------------------------------------
 
@@ -181,8 +190,23 @@ class DppSession:
         records = step.run()
         self.last_order, self.last_sequence = step.order, step.sequence
         self.last_peak, self.last_peak_held = step.state.peak, step.peak_held
+        self.last_weight_grad_bytes = step.weight_grad_bytes
         self._steps += 1
+        if step.split and not self._budget_measured and not isinstance(self.options.weight_grad_memory, str):
+            self._measure_budget(float(self.options.weight_grad_memory))
         return records
+
+    def _measure_budget(self, factor: float) -> None:
+        """The byte budget (``weight_grad_memory`` a number): after a step run under ``"own-rank"``'s count, each
+        rank may keep ``factor`` times the most loaded pipeline rank's peak minus its own peak in pending weight
+        gradients beyond that count. CPUs keep no allocator statistics: the allowance stays 0 (``"own-rank"``)."""
+        self._budget_measured = True
+        if self.device.type != "cuda":
+            return
+        own = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.tensor([float(own)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
+        self.weight_grad_bytes = max(0, int(factor * peak.item()) - own)
 
 
 class _Step:
@@ -242,12 +266,14 @@ class _Step:
         limit = session.options.max_deferred_weight_grads
         self.w_limit = self.plan.microbatches * self.plan.chunks if limit is None else limit
         bound = (
-            self.plan if session.options.weight_grad_memory == "own-rank" else dataclasses.replace(self.plan, rank=0)
+            dataclasses.replace(self.plan, rank=0) if session.options.weight_grad_memory == "first-rank" else self.plan
         )
         self.memory_cap = bound.peak_inflight + (0 if forward_only else session.options.extra_activations)
         """Activations held + weight gradients pending before a forward, at most (the memory rule)."""
         self.peak_held = 0
         """The most activations + pending weight gradients this rank held at once in the step."""
+        self.weight_grad_bytes = 0
+        """The most bytes one microbatch's pending weight gradients kept in the step."""
         self.sequence: list[str] = []
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -391,8 +417,7 @@ class _Step:
         if self.on_gpu:
             start.record()
         if task.phase == FORWARD:
-            while self.pending_w and self.state.inflight + len(self.pending_w) >= self.memory_cap:
-                self._run_weight_grads()  # the memory rule (module docstring)
+            self._make_room()
             self._forward(task)
         else:
             self._backward(task)
@@ -462,6 +487,7 @@ class _Step:
             with collecting([]) as stash:
                 input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
             self.pending_w.append((task, stash))
+            self.weight_grad_bytes = max(self.weight_grad_bytes, _stash_bytes(stash))
         out_message = self.plan.output_of(task)
         if out_message is not None:
             self._send(out_message, input_grad)
@@ -470,25 +496,54 @@ class _Step:
         while len(self.pending_w) > self.w_limit:
             self._run_weight_grads()
 
-    def _run_weight_grads(self) -> None:
-        """W: the oldest deferred weight gradients (a chunk's in microbatch order, as megatron-core adds them)."""
-        task, stash = self.pending_w.popleft()
-        self.sequence.append(f"W{task.chunk}.{task.microbatch}")
+    def _make_room(self) -> None:
+        """The memory rule before a forward (module docstring): the oldest Ws run until the activations held and
+        the Ws pending leave room for one more activation under the count, or, with a byte budget, until what the
+        Ws over the count still keep fits the allowance (the oldest of them then runs layer by layer)."""
+        allowance = self.session.weight_grad_bytes
+        while self.pending_w:
+            over = self.state.inflight + len(self.pending_w) + 1 - self.memory_cap
+            if over <= 0:
+                return
+            if not allowance:
+                self._run_weight_grads()
+                continue
+            kept = sum(_stash_bytes(stash) for _, stash in itertools.islice(self.pending_w, over))
+            if kept <= allowance:
+                return
+            self._run_weight_grads(free_bytes=kept - allowance)
+
+    def _run_weight_grads(self, free_bytes: Optional[int] = None) -> None:
+        """W: the oldest deferred weight gradients (a chunk's in microbatch order, as megatron-core adds them);
+        with ``free_bytes``, only its first layers, until they release that many bytes (a part: ``w`` in
+        :attr:`sequence`; the layer order within a W does not change any sum)."""
+        task, stash = self.pending_w[0]
+        count = len(stash)
+        if free_bytes is not None:
+            count, freed = 0, 0
+            while count < len(stash) and freed < free_bytes:
+                freed += _stash_bytes(stash[count : count + 1])
+                count += 1
+        whole = count == len(stash)
+        self.sequence.append(f"{'W' if whole else 'w'}{task.chunk}.{task.microbatch}")
         timer = self.timers("weight-grad-compute") if self.timers is not None else None
         if timer is not None:
             timer.start()
             for listener in getattr(self.timers, "listeners", ()):
                 listener.microbatch("weight-grad", task.chunk, task.microbatch)
         try:
-            for weight_grad in stash:
+            for weight_grad in stash[:count]:
                 weight_grad.run()
         finally:
             if timer is not None:
                 timer.stop()
+        del stash[:count]  # what ran releases its tensors
         if self.on_gpu:
             self.last_event = torch.cuda.Event()
             self.last_event.record()
-        self.grad_sync.backward_done(task.chunk)
+        if whole:
+            self.pending_w.popleft()
+            self.grad_sync.backward_done(task.chunk)
 
     def _gpu_busy(self) -> bool:
         """Whether the GPU still has queued work (a wait on the host is then no bubble on the device yet)."""
@@ -533,3 +588,8 @@ class _Step:
                 describe(name, [record] if direction == "send" else [], [record] if direction == "recv" else [])
         finally:
             timer.stop()
+
+
+def _stash_bytes(stash: Sequence[WeightGrad]) -> int:
+    """What weight gradients keep alive: each layer's output gradient and (gathered) input."""
+    return sum(t.numel() * t.element_size() for w in stash for t in (w.grad_output, w.total_input))
