@@ -9,12 +9,12 @@ step time of ``strategy.forward_backward``, peak GPU memory, the loss of each ca
 
 * PP2: ``1f1b`` (megatron-core, NCCL; the baseline), ``1f1b+fusion`` (the same with
   ``gradient_accumulation_fusion``: the weight-gradient GEMM accumulating into fp32 ``main_grad``, which ``zb-h1``'s
-  W tasks use too, so the two effects can be told apart), ``zb-h1`` (1F1B's order with B and W split, W run in what
-  would be waits, pending Ws bounded by the memory rule of ``pipeline/dpp/schedule.py``: activations + pending Ws
-  within the first rank's 1F1B peak), ``zb-h1-own-rank`` (each rank within its own 1F1B peak),
-  ``zb-h1-budget-1.05`` (own-rank's count, and beyond it pending Ws kept layer by layer within 1.05x the most loaded
-  rank's peak memory measured in the first step), and ``zb-h1`` with no W deferred (W right after its B: the
-  split's own cost, without the reordering);
+  W tasks use too, so the two effects can be told apart), ``zb-h1`` with each memory setting of
+  ``pipeline/dpp/options.py``: ``zb-h1-first-rank`` (activations + pending Ws within the first rank's 1F1B peak,
+  counted), ``zb-h1-own-rank`` (each rank within its own, counted), ``zb-h1-budget-1.05`` (the default: own-rank's
+  count, and beyond it pending Ws kept layer by layer within 1.05x the most loaded rank's peak memory measured in
+  the first step), and ``zb-h1-no-defer`` (W right after its B: the split's own cost, without the reordering).
+  Results committed before 2026-11-23's change of default name the first-rank case ``zb-h1``;
 * ``--vpp 2`` (PP2 × VPP2): ``interleaved`` (the baseline) and ``dpp`` static with ``split_weight_grads``.
 
 Theory beside each (Qi et al., zero bubble): with forward F, input-gradient B and weight-gradient W per stage
@@ -42,7 +42,13 @@ def zb_cases(forward_s: float) -> list[dict[str, Any]]:
     return [
         dict(name="1f1b", condition="clean", schedule="1f1b", options={}, baseline="1f1b"),
         dict(name="1f1b+fusion", condition="clean", schedule="1f1b", options={}, baseline="1f1b", fused_wgrad=True),
-        dict(name="zb-h1", condition="clean", schedule="zb-h1", options={}, baseline="1f1b"),
+        dict(
+            name="zb-h1-first-rank",
+            condition="clean",
+            schedule="zb-h1",
+            options={"weight_grad_memory": "first-rank"},
+            baseline="1f1b",
+        ),
         dict(
             name="zb-h1-own-rank",
             condition="clean",

@@ -319,16 +319,18 @@ def test_zero_bubble_matches_1f1b(ranks: Any, layout: str) -> None:
 
 def test_zero_bubble_within_each_ranks_own_1f1b_memory(ranks: Any) -> None:
     """``weight_grad_memory="own-rank"``: rank r of a 4-stage pipeline holds at most 4 - r activations and pending
-    weight gradients (its own 1F1B peak), where the default lets every rank fill up to the first rank's 4."""
+    weight gradients (its own 1F1B peak), where ``"first-rank"`` lets every rank fill up to the first rank's 4."""
     world, strategy = ZB_LAYOUTS["pp4"]
     want = ranks.run(world, dc.fit_recording, world, schedule="1f1b", **strategy)
     options = {"weight_grad_memory": "own-rank"}
     got = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=options, **strategy)
-    default = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", **strategy)
+    first = {"weight_grad_memory": "first-rank"}
+    by_first = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=first, **strategy)
     for rank in range(world):
         assert_close(got[rank], want[rank], 1e-6, f"zb-h1 own-rank memory, rank {rank}")
+        assert_close(by_first[rank], want[rank], 1e-6, f"zb-h1 first-rank memory, rank {rank}")
         assert got[rank]["peak_held"] <= world - rank, (rank, got[rank]["peak_held"], got[rank]["sequence"])
-    assert default[world - 1]["peak_held"] > got[world - 1]["peak_held"], "the option must change the last rank"
+    assert by_first[world - 1]["peak_held"] > got[world - 1]["peak_held"], "the option must change the last rank"
 
 
 def test_zero_bubble_byte_budget_keeps_part_of_a_weight_gradient(ranks: Any) -> None:

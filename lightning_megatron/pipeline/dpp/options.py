@@ -39,17 +39,20 @@ class DppOptions:
     max_deferred_weight_grads: Optional[int] = None
     """With ``split_weight_grads``: most microbatches whose weight gradients wait. Default: no count; the memory
     rule alone bounds them (a pending W counts as a held activation, under ``weight_grad_memory``'s peak)."""
-    weight_grad_memory: Union[str, float] = "first-rank"
+    weight_grad_memory: Union[str, float] = 1.05
     """With ``split_weight_grads``, what bounds the activations held + Ws pending before a forward:
 
-    * ``"first-rank"``: the first pipeline rank's 1F1B peak, counted in microbatches, on every rank (later ranks
-      may defer Ws into the room 1F1B leaves them: the fastest, but counts are not bytes: the last rank also holds
-      the logits, and on a 1.3B GPT at PP2 its peak grew from 16.6 to 23.6 GiB, 1.24x the first rank's 19.0);
-    * ``"own-rank"``: each rank's own 1F1B peak (no rank above its 1F1B memory; later ranks defer less);
-    * a number >= 1.0, a byte budget: ``"own-rank"``'s count, and beyond it pending weight gradients kept (layer by
-      layer) while this rank's peak stays within that multiple of the most loaded pipeline rank's peak GPU memory,
-      measured in the first training step (which runs ``"own-rank"``). On CPUs, which keep no allocator
-      statistics, it is ``"own-rank"``."""
+    * a number from 1.0 to 4.0 (default 1.05), a byte budget: ``"own-rank"``'s count, and beyond it pending weight
+      gradients kept (the oldest run layer by layer until the rest fit) while this rank stays within that multiple
+      of the most loaded pipeline rank's peak GPU memory, measured in the first training step (which runs
+      ``"own-rank"``). On a 1.3B GPT at PP2 (2x H200, 8 microbatches): 1.061x 1F1B's speed at 1.068x its peak
+      memory (``benchmarks/results/zb_m8_budget_sdpa_2xh200.json``). CPUs keep no allocator statistics: there it
+      is ``"own-rank"``;
+    * ``"own-rank"``: each rank's own 1F1B peak, counted in microbatches (no rank above its 1F1B memory; later
+      ranks defer less: 1.045x);
+    * ``"first-rank"``: the first pipeline rank's 1F1B peak, counted, on every rank (later ranks defer Ws into the
+      room 1F1B leaves them: 1.066x, but counts are not bytes: the last rank also holds the logits, and its peak
+      grew from 16.6 to 23.6 GiB, 1.24x the first rank's 19.0)."""
 
 
 def _check_weight_grad_memory(value: Any) -> None:
@@ -58,9 +61,10 @@ def _check_weight_grad_memory(value: Any) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 1.0 <= value <= 4.0:
         return
     raise MegatronConfigError(
-        f"schedule_options.weight_grad_memory={value!r}: choose 'first-rank' (the default: every rank within the "
-        "first rank's 1F1B peak, counted in microbatches), 'own-rank' (every rank within its own), or a number "
-        "from 1.0 to 4.0 (a byte budget: that multiple of the most loaded rank's measured peak GPU memory)."
+        f"schedule_options.weight_grad_memory={value!r}: choose a number from 1.0 to 4.0 (a byte budget: that "
+        "multiple of the most loaded pipeline rank's measured peak GPU memory; default 1.05), 'own-rank' (every "
+        "rank within its own 1F1B peak, counted in microbatches) or 'first-rank' (every rank within the first "
+        "rank's)."
     )
 
 

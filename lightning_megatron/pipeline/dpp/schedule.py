@@ -27,17 +27,15 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
   **The memory rule of W.** What a pending W keeps (each linear layer's input and output gradient) is about as
   large as a microbatch's activations (32 of the 34 bytes per token, hidden unit and layer that a transformer
   layer saves in 16 bits), so a pending W counts as one held activation. Before a forward, Ws run until the
-  activations held plus the Ws pending leave room for it under the *first* pipeline rank's peak in
-  megatron-core's order (plus ``extra_activations``): every rank then stays within the memory that 1F1B needs
-  on its most loaded rank. The first rank defers nothing while it is full (its W runs just before its next
-  forward, and in the cool-down, when no forward comes, into its waits); later ranks, which 1F1B leaves with
-  room, defer up to their rank's worth of Ws, so their input gradients reach the ranks before them sooner.
-  ZB-H1 (Qi et al.) bounds the same quantity. Counts are not bytes: the last rank also holds the logits, so
-  there the rule can exceed the first rank's memory (measured on a 1.3B GPT at PP2: 1.24x,
-  ``benchmarks/results/zb_m8_sdpa_2xh200.json``); ``weight_grad_memory="own-rank"`` bounds every rank by its
-  own 1F1B peak instead, and a number is a byte budget: own-rank's count, and beyond it pending Ws kept while
-  their bytes fit what the most loaded rank's measured peak (times that number) leaves this rank; the oldest
-  then runs layer by layer until they fit.
+  activations held plus the Ws pending leave room for it under this rank's peak in megatron-core's order (plus
+  ``extra_activations``): no rank holds more than 1F1B would. Counts are not bytes, and ranks differ in what
+  else they hold (the last rank holds the logits), so by default (``weight_grad_memory``, a number) a byte
+  budget lets a rank keep Ws beyond that count while their bytes fit what the most loaded rank's peak, measured
+  in the first step and times that number, leaves it; the oldest W then runs layer by layer until the rest fit.
+  Later ranks so defer part of their Ws and their input gradients reach the ranks before them sooner (1.061x
+  1F1B at 1.068x its peak memory on a 1.3B GPT at PP2, ``benchmarks/results/zb_m8_budget_sdpa_2xh200.json``).
+  ``"first-rank"`` counts against the first rank's peak on every rank, as ZB-H1 (Qi et al.) bounds it: a little
+  faster, but there the last rank reached 1.24x the job's 1F1B peak.
 
 Waits are bounded by the strategy's timeout (:class:`~lightning_megatron.transport.TransportTimeout` names what
 was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost` naming it.
