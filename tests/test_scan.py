@@ -83,6 +83,9 @@ def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path)
         assert ("optimizer", "optimizer-step") in kinds and ("host", "host-gap") in kinds
         assert ("data", "data-fetch") in kinds
         assert any(cat == "p2p" for cat, _ in kinds)
+        # CPUs have no CUDA activity: no busy time is measured or written (scan.busy)
+        assert not any("busy_us" in (e.get("args") or {}) for e in events)
+        assert [e["args"]["gpu_busy"] for e in events if e["name"] == "megascan.rank"] == [False]
         forwards = [e for e in events if e.get("name") == "forward"]
         # 7 traced steps (1-7 of 8) × 8 microbatches (global batch 16, DP1, micro-batch 2)
         assert {(e["args"]["step"], e["args"]["microbatch"]) for e in forwards} == {

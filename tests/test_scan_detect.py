@@ -414,6 +414,17 @@ def test_slow_host_between_steps(tmp_path: Path) -> None:
     assert quiet.suspects == [], quiet.table()
 
 
+def test_a_slow_gpus_longer_host_gaps_are_its_evidence_not_a_second_cause(tmp_path: Path) -> None:
+    """A GPU 1.5x slower whose host's gaps between steps are also 10x longer (500 µs beside ~10 ms of compute per
+    step, as another process on the GPU did on 2x H200): one suspect, ``compute``, with the gap as evidence; a host
+    gap as costly as the compute (a slow host too) stays a second suspect."""
+    report, _ = run(tmp_path, "gpu", steps=12, dp=2, pp=1, tp=1, slow_ranks={1: 1.5}, slow_host={1: 10.0})
+    suspect = only(report, 1, "compute")
+    assert suspect.evidence["host_gap_ms"] > 0.3, suspect.evidence
+    both, _ = run(tmp_path, "both", steps=12, dp=2, pp=1, tp=1, slow_ranks={1: 1.2}, slow_host={1: 60.0})
+    assert sorted(s.kind for s in both.suspects if s.rank == 1) == ["compute", "host"], both.table()
+
+
 @pytest.mark.parametrize("slow", [None, 1, 2])
 def test_pipeline_only_compares_layer_parts_across_stages(tmp_path: Path, slow: Any) -> None:
     """PP4 alone: no stage has a peer, but every stage runs the same transformer layer parts."""

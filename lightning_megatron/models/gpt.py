@@ -84,6 +84,19 @@ class GPTModule(MegatronLightningModule):
             and fused cross-entropy kernels (compiled by ``torch.compile`` on first use). Same math as
             the unfused path; ``activation="gelu"`` (erf) stays unfused, since megatron-core's fused GeLU
             is the tanh approximation. Ignored on CPUs, where compiling costs more than it saves.
+        fused_norms: LayerNorm/RMSNorm through ``lightning_megatron.kernels.norms``: on GPUs Triton kernels whose
+            backward reads the input and its gradient once for the input, weight and bias gradients (ATen's
+            reads them twice); the same function within bf16 rounding. On CPUs the same arithmetic as torch
+            ops (no speed-up). Off by default until measured on GPUs; local/sdpa specs only.
+        fused_bias_grad: The bias gradients of the qkv and fc1 linears and of the two bias-dropout-adds through
+            ``lightning_megatron.kernels.bias`` (a single-pass column sum; for fc1 with the fused tanh GeLU,
+            summed inside the GeLU backward kernel). Bias-dropout-adds with dropout > 0 keep megatron-core's.
+            Off by default until measured on GPUs; local/sdpa specs only.
+        fused_residual_norm: With ``fused_norms``: each bias-dropout-add (at dropout 0) and the norm after it
+            (the pre-MLP norm; the next layer's input norm or the final norm) as one op
+            (``kernels.norms.residual_norm``): the forward writes the residual sum and the normalized output in
+            one pass; the backward adds the residual gradient, and sums the bias gradient, inside the norm's
+            backward kernel. Off by default until measured on GPUs.
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
             ``{"recompute_granularity": "selective"}``), applied last; unknown names are an error.
         split_invariant_init: Initialize so every parallel layout starts from the same weights.
@@ -116,6 +129,9 @@ class GPTModule(MegatronLightningModule):
         hf_checkpoint: Optional[str] = None,
         layer_spec: LayerSpecName = "local",
         fuse_kernels: bool = True,
+        fused_norms: bool = False,
+        fused_bias_grad: bool = False,
+        fused_residual_norm: bool = False,
         transformer_config_overrides: Optional[dict[str, Any]] = None,
         split_invariant_init: bool = True,
         init_seed: int = 1234,
@@ -179,9 +195,16 @@ class GPTModule(MegatronLightningModule):
 
     def build_chunk(self, stage: StageSpec) -> GPTModel:
         config = self.transformer_config()
-        return GPTModel(
+        model = GPTModel(
             config=config,
-            transformer_layer_spec=gpt_block_spec(self.hparams.layer_spec, config, vp_stage=stage.vp_stage),
+            transformer_layer_spec=gpt_block_spec(
+                self.hparams.layer_spec,
+                config,
+                vp_stage=stage.vp_stage,
+                fused_norms=self.hparams.fused_norms,
+                fused_bias_grad=self.hparams.fused_bias_grad,
+                fused_residual_norm=self.hparams.fused_residual_norm,
+            ),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=self.hparams.seq_length,
             pre_process=stage.pre_process,
@@ -191,6 +214,11 @@ class GPTModule(MegatronLightningModule):
             rotary_base=self.hparams.rotary_base,
             vp_stage=stage.vp_stage,
         )
+        if self.hparams.fused_residual_norm or self.hparams.layer_spec.endswith("+fused"):
+            from lightning_megatron.kernels.layers import link_residual_norms
+
+            link_residual_norms(model)  # each layer's MLP bias-dropout-add with the norm after it
+        return model
 
     def configure_model(self) -> None:
         if getattr(self, "model_chunks", None) is not None:

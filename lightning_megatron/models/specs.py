@@ -8,12 +8,21 @@
 * ``"sdpa"``: ``"local"`` with core attention through PyTorch's fused ``scaled_dot_product_attention``
   (``models.attention.SDPAttention``): same numerics, flash/memory-efficient kernels on GPUs.
 * ``"te"``: megatron-core's Transformer Engine spec, when transformer-engine is installed.
+
+The local and sdpa specs take three kernel settings (``GPTModule(fused_norms=..., fused_bias_grad=...,
+fused_residual_norm=...)``; see ``lightning_megatron.kernels``): ``fused_norms`` builds the norms with a one-pass
+backward, ``fused_bias_grad`` routes the linear layers' bias gradients (qkv, fc1 with its GeLU, and the two
+bias-dropout-adds) through a single-pass column sum, ``fused_residual_norm`` (needs ``fused_norms``) runs each
+bias-dropout-add and the norm after it as one op (within a layer from the spec alone; from a layer's MLP to the
+next layer's norm once ``kernels.layers.link_residual_norms(model)`` has run, which ``GPTModule`` does). A
+``"+fused"`` suffix on the name (``"sdpa+fused"``) turns all three on, so benchmark runners named after a spec
+(``strategy-sdpa+fused``) can select them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -30,7 +39,7 @@ from lightning_megatron.models.attention import SDPAttention
 
 __all__ = ["LayerSpecName", "SequenceParallelNorm", "gpt_block_spec"]
 
-LayerSpecName = Literal["local", "sdpa", "te"]
+LayerSpecName = Literal["local", "sdpa", "te", "local+fused", "sdpa+fused"]
 
 
 class SequenceParallelNorm:
@@ -41,9 +50,15 @@ class SequenceParallelNorm:
     tensor-parallel group for parameters flagged ``sequence_parallel``.
     """
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.Module:
-        if config.normalization == "LayerNorm":
-            norm: torch.nn.Module = torch.nn.LayerNorm(hidden_size, eps=eps)
+    def __new__(
+        cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, fused: bool = False, **_: object
+    ) -> torch.nn.Module:
+        if fused:  # the same parameters, with the fused kernels (lightning_megatron.kernels.norms)
+            from lightning_megatron.kernels.layers import fused_norm
+
+            norm: torch.nn.Module = fused_norm(config, hidden_size, eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         else:
@@ -55,16 +70,47 @@ class SequenceParallelNorm:
         return norm
 
 
-def gpt_block_spec(name: LayerSpecName, config: TransformerConfig, vp_stage: Optional[int] = None) -> ModuleSpec:
+def gpt_block_spec(
+    name: LayerSpecName,
+    config: TransformerConfig,
+    vp_stage: Optional[int] = None,
+    *,
+    fused_norms: bool = False,
+    fused_bias_grad: bool = False,
+    fused_residual_norm: bool = False,
+) -> ModuleSpec:
     """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
+    if name.endswith("+fused"):
+        name = name[: -len("+fused")]  # type: ignore[assignment]
+        fused_norms = fused_bias_grad = fused_residual_norm = True
+        if name == "te":
+            raise MegatronConfigError("layer_spec='te+fused' is not available: Transformer Engine fuses its own norms.")
     if name == "te":
+        if fused_norms or fused_bias_grad or fused_residual_norm:
+            raise MegatronConfigError(
+                "fused_norms/fused_bias_grad/fused_residual_norm apply to layer_spec='local' or 'sdpa'; with "
+                "layer_spec='te' Transformer Engine's own fused kernels run: turn them off."
+            )
         return _transformer_engine_block_spec(config, vp_stage)
     if name not in ("local", "sdpa"):
-        raise MegatronConfigError(f"layer_spec={name!r} is not available; choose from: 'local', 'sdpa', 'te'.")
+        raise MegatronConfigError(
+            f"layer_spec={name!r} is not available; choose from: 'local', 'sdpa', 'te', 'local+fused', 'sdpa+fused'."
+        )
+    if fused_residual_norm and not fused_norms:
+        raise MegatronConfigError(
+            "fused_residual_norm=True needs fused_norms=True (the pre-MLP norm takes the fused op's output)."
+        )
     layer = get_gpt_layer_local_spec(normalization=config.normalization)
-    submodules = dataclasses.replace(
-        layer.submodules, input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm
-    )
+    norm: Any = ModuleSpec(module=SequenceParallelNorm, params={"fused": True}) if fused_norms else SequenceParallelNorm
+    submodules = dataclasses.replace(layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
+    if fused_bias_grad:
+        submodules = _with_fused_bias_grad(submodules)
+    if fused_residual_norm:
+        from lightning_megatron.kernels.layers import ResidualNormBDA
+
+        bda = ModuleSpec(module=ResidualNormBDA, params={"bias_grad": fused_bias_grad})
+        # the MLP's is linked to the next norm by kernels.layers.link_residual_norms once the model is built
+        submodules = dataclasses.replace(submodules, self_attn_bda=bda, mlp_bda=bda)
     if name == "sdpa":
         attention = submodules.self_attention
         submodules = dataclasses.replace(
@@ -74,10 +120,51 @@ def gpt_block_spec(name: LayerSpecName, config: TransformerConfig, vp_stage: Opt
             ),
         )
     layer = dataclasses.replace(layer, submodules=submodules)
+    if fused_residual_norm:
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        from lightning_megatron.kernels.layers import ResidualNormTransformerLayer
+
+        if layer.module is not TransformerLayer:
+            raise MegatronConfigError(
+                f"fused_residual_norm expects megatron-core's TransformerLayer, this spec builds {layer.module.__name__}: "
+                "turn fused_residual_norm off."
+            )
+        layer = dataclasses.replace(layer, module=ResidualNormTransformerLayer)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm),
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm),
+    )
+
+
+def _with_fused_bias_grad(submodules: Any) -> Any:
+    """The layer's qkv linear, MLP and bias-dropout-adds with their bias gradients through the fused column sum."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
+
+    from lightning_megatron.kernels.layers import BiasGradColumnParallelLinear, BiasGradMLP, get_bias_dropout_add
+
+    attention, mlp = submodules.self_attention, submodules.mlp
+    local_mlp = (
+        mlp.module is MLP
+        and mlp.submodules.linear_fc1 is ColumnParallelLinear
+        and mlp.submodules.linear_fc2 is RowParallelLinear
+    )
+    if attention.submodules.linear_qkv is not ColumnParallelLinear or not local_mlp:
+        raise MegatronConfigError(
+            "fused_bias_grad expects megatron-core's local layer (ColumnParallelLinear qkv, MLP); this megatron-core "
+            "builds another one: turn fused_bias_grad off."
+        )
+    return dataclasses.replace(
+        submodules,
+        self_attention=dataclasses.replace(
+            attention,
+            submodules=dataclasses.replace(attention.submodules, linear_qkv=BiasGradColumnParallelLinear),
+        ),
+        mlp=BiasGradMLP,  # a class, not a ModuleSpec: see BiasGradMLP
+        self_attn_bda=get_bias_dropout_add,
+        mlp_bda=get_bias_dropout_add,
     )
 
 

@@ -27,11 +27,17 @@ itself (``start_grad_sync``) after the chunk's last W, so nothing is reduced bef
 
 With sequence parallelism B all-gathers the layer input for W (W then needs no collective, so tensor-parallel
 ranks may run their W tasks at different moments).
+
+:func:`weight_grad` is the one place a backward hands over its weight gradient (this module's and the overlapped
+layers' of :mod:`.tp_overlap`, which ``split_linears(..., overlap=...)`` installs instead). With
+``accumulate=False`` (``tp_comm_overlap`` without ``gradient_accumulation_fusion``) a gradient computed inside the
+backward goes back through autograd as megatron-core's does, so the overlap alone does not change the accumulation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +55,7 @@ __all__ = [
     "collecting",
     "fused_accumulation_status",
     "split_linears",
+    "weight_grad",
 ]
 
 _STASH: Optional[list[WeightGrad]] = None  # where backwards put their weight gradients (None: compute them)
@@ -114,6 +121,30 @@ def _fused_gemm_applies(grad_output: torch.Tensor, main_grad: torch.Tensor) -> b
     )
 
 
+def weight_grad(
+    weight: torch.nn.Parameter, grad_output: torch.Tensor, total_input: torch.Tensor, accumulate: bool = True
+) -> Any:
+    """A backward's weight gradient: computed now, or deferred into the :func:`collecting` stash.
+
+    Returns what the backward hands autograd for the weight: ``None``, or under megatron-core DDP the placeholder
+    its hook drops (see the module docstring). With ``accumulate=False`` and no stash, the gradient itself, as
+    megatron-core's backward returns it (its DDP hook adds it to ``main_grad``: no fused accumulation), unless this
+    step already added one straight to ``main_grad`` (``grad_added_to_main_grad``: the hook would drop this one).
+    """
+    if not accumulate and _STASH is None and not getattr(weight, "grad_added_to_main_grad", False):
+        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
+        return grad_output.t().matmul(total_input)
+    deferred = WeightGrad(weight, grad_output.detach(), total_input.detach())
+    if _STASH is None:
+        deferred.run()
+    else:
+        _STASH.append(deferred)
+    if not hasattr(weight, "main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
+
+
 @contextlib.contextmanager
 def collecting(stash: list[WeightGrad]) -> Iterator[list[WeightGrad]]:
     """Backwards run inside defer their weight gradients into ``stash`` (in the order the layers ran)."""
@@ -127,8 +158,9 @@ def collecting(stash: list[WeightGrad]) -> Iterator[list[WeightGrad]]:
 
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):  # noqa: ANN001, ANN205
+    def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, accumulate):  # noqa: ANN001, ANN205
         ctx.save_for_backward(input, weight)
+        ctx.accumulate = accumulate
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         total_input = _gather(input, tp_group) if sequence_parallel else input
@@ -156,19 +188,13 @@ class _SplitLinear(torch.autograd.Function):
             grad_input = sub_grad_input
         elif ctx.allreduce_dgrad:
             reducing = dist.all_reduce(grad_input, group=tp_group, async_op=True)
-        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
-        deferred = WeightGrad(weight, grad_output.detach(), total_input.detach())
-        if _STASH is None:
-            deferred.run()
-        else:
-            _STASH.append(deferred)
-        placeholder = None
-        if hasattr(weight, "main_grad"):  # for megatron-core DDP's hook (see the module docstring)
-            placeholder = torch.empty_like(weight)
-            weight.grad_added_to_main_grad = True
+        # the bias gradient over the 2-D view, as megatron-core sums it (a sum over dim 0 of the 3-D gradient
+        # leaves autograd a second reduction: other bf16 rounding, and one more kernel)
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
+        placeholder = weight_grad(weight, grad_output, total_input, ctx.accumulate)
         if reducing is not None:
             reducing.wait()
-        return grad_input, placeholder, grad_bias, None, None, None
+        return grad_input, placeholder, grad_bias, None, None, None, None
 
 
 def _gather(input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
@@ -191,12 +217,16 @@ def _split_forward_impl(
     grad_output_buffer: Any = None,
     wgrad_deferral_limit: Any = None,
     tp_group: Any = None,
+    *,
+    overlap: Any = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """Stands in for the layer's ``_forward_impl`` (megatron-core calls it with these keywords).
 
     A weight passed in from elsewhere (the output layer of a one-stage model with tied embeddings uses the
     embedding's) keeps megatron-core's backward: its gradient also comes from the embedding, through autograd,
-    and the placeholder below would make megatron-core's DDP hook drop that part.
+    and the placeholder below would make megatron-core's DDP hook drop that part. ``overlap`` (bound by
+    :func:`split_linears`): a column-parallel layer's communication is overlapped (:mod:`.tp_overlap`).
     """
     if not weight.requires_grad or grad_output_buffer is not None or weight is not getattr(self, "weight", None):
         return type(self)._forward_impl(
@@ -211,7 +241,11 @@ def _split_forward_impl(
             wgrad_deferral_limit=wgrad_deferral_limit,
             tp_group=tp_group,
         )
-    return _SplitLinear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group)
+    if overlap is not None and isinstance(self, ColumnParallelLinear):
+        from lightning_megatron.pipeline.tp_overlap import column_linear  # (it builds on this module)
+
+        return column_linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, overlap, accumulate)
+    return _SplitLinear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, accumulate)
 
 
 class SplitLinears:
@@ -223,17 +257,34 @@ class SplitLinears:
     def restore(self) -> None:
         for module in self.modules:
             module.__dict__.pop("_forward_impl", None)
+            module.__dict__.pop("forward", None)  # a row-parallel layer's overlapped forward
         self.modules = []
 
 
-def split_linears(chunks: Sequence[torch.nn.Module]) -> SplitLinears:
-    """Give every tensor-parallel linear layer of ``chunks`` (DDP-wrapped or not) the B/W-split backward."""
+def split_linears(chunks: Sequence[torch.nn.Module], overlap: Any = None, accumulate: bool = True) -> SplitLinears:
+    """Give every tensor-parallel linear layer of ``chunks`` (DDP-wrapped or not) the B/W-split backward.
+
+    With ``overlap`` (a :class:`~lightning_megatron.pipeline.tp_overlap.TPCommOverlap`) their tensor-parallel
+    communication is also overlapped with their GEMMs. ``accumulate=False``: outside a :func:`collecting` stash
+    the weight gradient goes back through autograd as in megatron-core (no fused ``main_grad`` accumulation; for
+    ``tp_comm_overlap`` without ``gradient_accumulation_fusion``). A layer already changed (by an earlier call) is
+    left as it is.
+    """
+    row_forward = None
+    if overlap is not None:
+        from lightning_megatron.pipeline.tp_overlap import row_forward  # (it builds on this module)
     modules = []
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and "_forward_impl" not in module.__dict__:
                 if getattr(module.config, "gradient_accumulation_fusion", False):
                     continue  # apex's fused wgrad GEMM: keep megatron-core's path (not available without apex)
-                module._forward_impl = types.MethodType(_split_forward_impl, module)
+                module._forward_impl = types.MethodType(
+                    functools.partial(_split_forward_impl, overlap=overlap, accumulate=accumulate), module
+                )
+                if row_forward is not None and isinstance(module, RowParallelLinear):
+                    module.forward = types.MethodType(
+                        functools.partial(row_forward, overlap=overlap, accumulate=accumulate), module
+                    )
                 modules.append(module)
     return SplitLinears(modules)

@@ -12,6 +12,11 @@ suspects out; statistics come from ``scan.compare``. Four rules, each for what t
   analysed steps split in halves), for what no peer can show: a lone stage without layer spans, or every
   rank at once. It names a change within the analysed steps, not a rank that was slow from the start.
 
+Then the attribution: a compute suspect is a slow GPU only if its GPU's *kernels* took longer. Where the trace
+has GPU busy time (``scan.busy``), ``attribute_busy`` compares it against the same baseline as the rule that named
+the suspect and keeps ``compute`` on busy excess, or names ``host`` (the GPU idled between kernels while its host
+queued the work late), or drops the suspect with a note; elsewhere ``attribute_host`` decides on the queue fields.
+
 The small helpers every rule of ``scan.detect`` shares (``peer_groups``, ``flagged``, ``make_suspect``) live
 here too, so the other rules import from this module and not the other way round.
 """
@@ -34,10 +39,11 @@ from lightning_megatron.scan.compare import (
     signed_rank_p,
     trimmed_mean,
 )
-from lightning_megatron.scan.measure import RankTrace, StepTotal
+from lightning_megatron.scan.measure import BusyTimes, RankTrace, StepTotal
 from lightning_megatron.scan.report import RankSummary, Suspect
 
 __all__ = [
+    "attribute_busy",
     "attribute_host",
     "compute_suspects",
     "cross_stage_suspects",
@@ -326,8 +332,8 @@ def attribute_host(
     groups = peer_groups(traces)
     kept = []
     for suspect in suspects:
-        if suspect.kind != "compute" or suspect.rank not in pacing:
-            kept.append(suspect)
+        if suspect.kind != "compute" or suspect.rank not in pacing or "busy_excess" in suspect.evidence:
+            kept.append(suspect)  # busy time, where there is some, has decided already (attribute_busy)
             continue
         peer_ranks = [r for r in groups[suspect.pp] if r != suspect.rank and r in pacing]
         peers = [pacing[r] for r in peer_ranks]
@@ -375,3 +381,137 @@ def _host_excess(traces: dict[int, RankTrace], rank: int, peers: list[int]) -> O
         if base:
             ratios.append(value / statistics.median(base))
     return statistics.median(ratios) - 1.0 if ratios else None
+
+
+_BUSY_MIN_STEPS = 3  # steps with busy time on the suspect and every peer, to compare per step (else per op)
+
+
+def attribute_busy(
+    suspects: list[Suspect],
+    traces: dict[int, RankTrace],
+    busy: dict[int, BusyTimes],
+    min_slowdown: float,
+    notes: list[str],
+) -> list[Suspect]:
+    """Compute suspects judged on GPU busy time where the trace has it (``scan.busy``); returns the suspects kept.
+
+    A span's excess is either kernel time (a slower GPU, or kernels time-sliced with another process: the GPU's
+    own work took longer) or time in which the GPU idled between kernels (a host that queued the work late,
+    launch gaps). The suspect's busy time is compared with the same baseline as the rule that named it (its
+    stage's peers per step, or per op where fewer than 3 steps have busy time everywhere; the other lone stages
+    per layer part; its own earlier steps): ``busy_excess``. At least ``min_slowdown`` keeps it ``compute``.
+    Below that, its excess is idle GPU time: it becomes ``host`` where its host also took ``min_slowdown``
+    longer to queue the same work (``enqueue_us``, same baseline), and is dropped with a note otherwise (idle
+    time that neither its kernels nor its host explain: a launch-bound job paced by one host, or waits on
+    another stream). Suspects without busy time on both sides are left as they are (``attribute_host``)."""
+    groups = peer_groups(traces)
+    kept = []
+    for suspect in suspects:
+        compared = _busy_comparison(suspect, busy, groups) if suspect.kind == "compute" else None
+        if compared is None:
+            kept.append(suspect)
+            continue
+        busy_excess, host_excess, basis, own_us, base_us = compared
+        evidence = suspect.evidence
+        evidence.update(
+            busy_excess=round(busy_excess, 4),
+            busy_ms=own_us / 1000,
+            baseline_busy_ms=base_us / 1000,
+            busy_baseline=basis,
+        )
+        if busy_excess >= min_slowdown:
+            evidence["why_compute"] = f"its GPU's kernels took {busy_excess:+.0%} longer than on {basis}"
+            kept.append(suspect)
+            continue
+        if host_excess is not None:
+            evidence["host_queue_excess"] = round(host_excess, 4)
+        if host_excess is not None and host_excess >= min_slowdown:
+            suspect.kind = "host"
+            evidence["why_host"] = (
+                f"its GPU's kernels took {busy_excess:+.0%} against {basis}: the excess is time its GPU idled "
+                f"between kernels, and its host queued the same work {host_excess:+.0%} slower"
+            )
+            kept.append(suspect)
+            continue
+        queued = f"{host_excess:+.0%}" if host_excess is not None else "unknown"
+        notes.append(
+            f"rank {suspect.rank}: spans {suspect.slowdown:+.0%} against {basis}, but its GPU's kernels only "
+            f"{busy_excess:+.0%} and its host's queueing {queued}: idle GPU time that neither explains (a "
+            "launch-bound job paced by one host, or waits on another stream), not named"
+        )
+    return kept
+
+
+def _busy_comparison(
+    suspect: Suspect, busy: dict[int, BusyTimes], groups: dict[int, list[int]]
+) -> Optional[tuple[float, Optional[float], str, float, float]]:
+    """``(busy excess, host queueing excess or None, what it was compared with, own busy µs, baseline µs)``
+    against the baseline of the rule that named the suspect; None without busy time on both sides."""
+    own = busy.get(suspect.rank)
+    if own is None:
+        return None
+    rule = suspect.evidence.get("rule", "")
+    if rule == "later steps against the rank's own earlier steps":
+        (a, b), (c, d) = suspect.evidence["earlier_steps"], suspect.evidence["later_steps"]
+        before = [v for s, v in own.busy_per_step.items() if a <= s <= b]
+        after = [v for s, v in own.busy_per_step.items() if c <= s <= d]
+        if min(len(before), len(after)) < _BUSY_MIN_STEPS:
+            return None
+        queue_before = [v for s, v in own.enqueue_per_step.items() if a <= s <= b]
+        queue_after = [v for s, v in own.enqueue_per_step.items() if c <= s <= d]
+        host = None
+        if queue_before and queue_after:
+            host = statistics.median(queue_after) / statistics.median(queue_before) - 1.0
+        base, value = statistics.median(before), statistics.median(after)
+        return value / base - 1.0, host, "its own earlier steps", value, base
+    if rule == "layer parts across pipeline stages":
+        alone = [r for ranks in groups.values() if len(ranks) == 1 for r in ranks if r != suspect.rank]
+        others = [busy[r] for r in alone if r in busy and busy[r].busy_per_part]
+        found = _key_excess(own.busy_per_part, [t.busy_per_part for t in others])
+        if found is None:
+            return None
+        host = _key_excess(own.enqueue_per_part, [t.enqueue_per_part for t in others])
+        return found[0], host[0] if host else None, "the other stages' same layer parts", found[1], found[2]
+    peers = [busy[r] for r in groups.get(suspect.pp, []) if r != suspect.rank and r in busy]
+    if not peers:
+        return None
+    steps = sorted(set(own.busy_per_step).intersection(*(p.busy_per_step for p in peers)))
+    if len(steps) >= _BUSY_MIN_STEPS:
+        found = _step_excess(own.busy_per_step, [p.busy_per_step for p in peers], steps)
+        queued = [s for s in steps if s in own.enqueue_per_step and all(s in p.enqueue_per_step for p in peers)]
+        host = _step_excess(own.enqueue_per_step, [p.enqueue_per_step for p in peers], queued) if queued else None
+        return found[0], host[0] if host else None, "its peers per step", found[1], found[2]
+    found = _key_excess(own.busy_per_key, [p.busy_per_key for p in peers])
+    if found is None:
+        return None
+    host = _key_excess(own.enqueue_per_key, [p.enqueue_per_key for p in peers])
+    return found[0], host[0] if host else None, "its peers per op", found[1], found[2]
+
+
+def _step_excess(own: dict[int, float], peers: list[dict[int, float]], steps: list[int]) -> tuple[float, float, float]:
+    """Trimmed mean over ``steps`` of own / the peers' lower-half median, minus 1; and own and baseline medians."""
+    base = [lower_half_median([p[s] for p in peers]) for s in steps]
+    ratios = [own[s] / b - 1.0 for s, b in zip(steps, base) if b > 0]
+    if not ratios:
+        return 0.0, 0.0, 0.0
+    return trimmed_mean(ratios), statistics.median(own[s] for s in steps), statistics.median(base)
+
+
+def _key_excess(
+    own: dict[str, list[float]], others: list[dict[str, list[float]]]
+) -> Optional[tuple[float, float, float]]:
+    """Median over the keys both sides have of own median / the others' lower-half median of medians, minus 1;
+    and the sums of those medians (own, baseline). None when no key is shared."""
+    ratios, own_sum, base_sum = [], 0.0, 0.0
+    for key, values in own.items():
+        theirs = [statistics.median(o[key]) for o in others if o.get(key)]
+        if not values or not theirs:
+            continue
+        base = lower_half_median(theirs)
+        if base > 0:
+            value = statistics.median(values)
+            ratios.append(value / base)
+            own_sum, base_sum = own_sum + value, base_sum + base
+    if not ratios:
+        return None
+    return statistics.median(ratios) - 1.0, own_sum, base_sum

@@ -35,8 +35,11 @@ the time its peers spend on the *same* work, after taking the waiting out:
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
   ``data-wait``, which also held Lightning's per-step work and named host slowness "data");
-* **host inside steps**: on GPUs, a compute suspect whose GPU reached most spans as soon as the host queued them
-  (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
+* **busy, not idle**: where GPU traces carry busy time (``busy_us``, ``scan.busy``), a compute suspect stays
+  ``compute`` only if its kernel time grew too (``compute_rules.attribute_busy``); an excess of idle GPU time is
+  ``host`` where its host queued the work slower, and otherwise dropped with a note;
+* **host inside steps**: on GPUs without busy time, a compute suspect whose GPU reached most spans as soon as the
+  host queued them (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
 * **host**: the same rule on the host's gaps between steps (``host-gap``: Lightning's per-step work, logging,
   callbacks): a rank whose host is slow (CPU contention) ends them late.
 
@@ -78,6 +81,7 @@ from lightning_megatron.scan.compare import (
     pooled_sigma,
 )
 from lightning_megatron.scan.compute_rules import (
+    attribute_busy,
     attribute_host,
     compute_suspects,
     cross_stage_suspects,
@@ -92,6 +96,7 @@ from lightning_megatron.scan.measure import (
     Link,
     RankTrace,
     Transfer,
+    busy_times,
     clock_sigma,
     collective_arrivals,
     data_waits,
@@ -171,11 +176,13 @@ def detect(
     suspects = step_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
     suspects += cross_stage_suspects(traces, per_rank, layer_samples, min_slowdown, min_z, min_impact_us)
     suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
+    suspects = attribute_busy(suspects, traces, busy_times(traces), min_slowdown, notes)
     suspects = attribute_host(suspects, host_pacing(traces), traces, min_slowdown, notes)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us)
     suspects += _data_suspects(traces, per_rank, data_waits(traces), min_slowdown, min_z, min_impact_us)
     suspects += _data_suspects(traces, per_rank, data_waits(traces, "host"), min_slowdown, min_z, min_impact_us, "host")
+    suspects = _fold_host_gaps(suspects)
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
 
     for note in notes:
@@ -188,6 +195,28 @@ def detect(
         params={"min_slowdown": min_slowdown, "min_z": min_z, "min_impact": min_impact, "skip_steps": skip_steps},
         steps=all_steps,
     )
+
+
+_CONSEQUENCE_SHARE = 0.25
+"""A host-gap suspect costing less than this share of its rank's compute suspect is a consequence of it."""
+
+
+def _fold_host_gaps(suspects: list[Suspect]) -> list[Suspect]:
+    """One rank, one cause: a slower GPU also lengthens the host's gaps between steps (they hold round trips to
+    the GPU, such as Lightning's per-step synchronisation), so a longer host gap on a rank already named
+    ``compute`` for several times as much per step is kept as that suspect's evidence (``host_gap_ms``), not
+    named as a second cause (seen on 2x H200 with another process competing for one GPU: +3.5 ms of host gap per
+    step beside +180 ms of compute, every such run)."""
+    compute = {s.rank: s for s in suspects if s.kind == "compute"}
+    kept = []
+    for suspect in suspects:
+        cause = compute.get(suspect.rank)
+        is_gap = suspect.kind == "host" and "late_ms" in suspect.evidence  # from the host-gap comparison
+        if is_gap and cause is not None and suspect.impact_ms < _CONSEQUENCE_SHARE * cause.impact_ms:
+            cause.evidence["host_gap_ms"] = round(suspect.impact_ms, 3)
+            continue
+        kept.append(suspect)
+    return kept
 
 
 def _link_suspects(

@@ -32,6 +32,9 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   part of the spans still moves, and who waited for whom without any clock alignment;
 * **host pacing** (``host_pacing``): on GPUs, the fraction of a rank's compute spans that its GPU started as soon as
   the host queued them: a slow host, not a slow GPU;
+* **GPU busy time** (``busy_times``): on GPUs with ``gpu_busy``, the kernel time inside the spans that net compute
+  sums (``args.busy_us``, ``scan.busy``) and the host's time to queue them (``enqueue_us``), per step (steps whose
+  every such span has it) and per op or layer part: what ``compute_rules.attribute_busy`` compares;
 * ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
 """
 
@@ -66,6 +69,8 @@ __all__ = [
     "read_traces",
     "StepTotal",
     "step_totals",
+    "BusyTimes",
+    "busy_times",
     "summarize",
     "transfer_us",
 ]
@@ -326,6 +331,59 @@ def host_pacing(traces: dict[int, RankTrace]) -> dict[int, float]:
         if queued:
             pacing[rank] = sum(q < _STARVED_US for q in queued) / len(queued)
     return pacing
+
+
+@dataclass
+class BusyTimes:
+    """One rank's GPU busy time (µs) and host queueing time (µs, ``enqueue_us``): per step on the spans net compute
+    sums (compute spans, or layer spans where it has none); per op (``forward chunk 0``); per layer part merged
+    over layers (``forward attention``: the same work on every pipeline stage)."""
+
+    busy_per_step: dict[int, float] = field(default_factory=dict)
+    enqueue_per_step: dict[int, float] = field(default_factory=dict)
+    busy_per_key: dict[str, list[float]] = field(default_factory=dict)
+    enqueue_per_key: dict[str, list[float]] = field(default_factory=dict)
+    busy_per_part: dict[str, list[float]] = field(default_factory=dict)
+    enqueue_per_part: dict[str, list[float]] = field(default_factory=dict)
+
+
+def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
+    """Per rank whose trace has ``busy_us`` (GPU windows that measured it): ``BusyTimes``. A step is summed only
+    where every summed span has ``busy_us`` (a sampled window measures all its spans or none)."""
+    found: dict[int, BusyTimes] = {}
+    for rank, trace in traces.items():
+        summed = "compute" if any(s["cat"] == "compute" for s in trace.spans) else "compute.layer"
+        times = BusyTimes()
+        partial: set[int] = set()
+        lists: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in ("bk", "ek", "bp", "ep")}
+        for s in trace.spans:
+            step = _step_of(s)
+            if s["cat"] not in ("compute", "compute.layer") or step is None:
+                continue
+            args = s.get("args") or {}
+            if "busy_us" not in args:
+                partial.add(step)
+                continue
+            busy, enqueue = float(args["busy_us"]), args.get("enqueue_us")
+            if s["cat"] == "compute":
+                key, kind = f"{s['name']} chunk {args.get('chunk', 0)}", "k"
+            else:
+                key, kind = f"{args.get('direction', '?')} {args.get('part', s['name'])}", "p"
+            lists["b" + kind][key].append(busy)
+            if enqueue is not None:
+                lists["e" + kind][key].append(float(enqueue))
+            if s["cat"] == summed:
+                times.busy_per_step[step] = times.busy_per_step.get(step, 0.0) + busy
+                if enqueue is not None:
+                    times.enqueue_per_step[step] = times.enqueue_per_step.get(step, 0.0) + float(enqueue)
+        for step in partial:
+            times.busy_per_step.pop(step, None)
+            times.enqueue_per_step.pop(step, None)
+        if lists["bk"] or lists["bp"]:
+            times.busy_per_key, times.enqueue_per_key = dict(lists["bk"]), dict(lists["ek"])
+            times.busy_per_part, times.enqueue_per_part = dict(lists["bp"]), dict(lists["ep"])
+            found[rank] = times
+    return found
 
 
 def collective_arrivals(traces: dict[int, RankTrace], per_rank: dict[int, RankSummary]) -> dict[int, dict[str, Any]]:

@@ -13,6 +13,13 @@ to queue the span's work) and ``args.queued_us`` (how long after the host queued
 reached it). A GPU that is the bottleneck runs behind a full queue (``queued_us`` large); a GPU starved by a
 slow host reaches each span as soon as it is queued (``queued_us`` near 0) and its spans last as long as the
 host takes to enqueue them: such a span is paced by the host, not by the GPU (``scan.compute_rules``).
+
+With a ``KernelActivity`` (``scan.busy``) a window can also measure GPU busy time: ``begin_window(busy=True)``
+starts its CUDA-only profiler session after the window's synchronize and launches the first anchor kernel right
+before the reference event; ``end_window`` records an end event, launches the second anchor, and writes
+``args.busy_us`` (the union of this process's non-communication kernels between the span's two events) on every
+GPU span, and ``args.busy_align_us`` (the alignment's residual) on step spans. A window without it, or whose
+anchors do not align, writes neither (CPUs never do).
 """
 
 from __future__ import annotations
@@ -23,10 +30,13 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_megatron.scan.busy import BusyTimeline, KernelActivity, busy_timeline
 from lightning_megatron.scan.clock import now_us
 from lightning_megatron.scan.format import complete
 
 __all__ = ["SpanRecorder", "Span"]
+
+_BUSY_TRIES = 3  # windows without busy time, none with, before the recorder stops trying
 
 
 @dataclass
@@ -45,9 +55,14 @@ class Span:
 class SpanRecorder:
     """Collects spans between ``begin_window`` and ``end_window`` and turns them into trace events."""
 
-    def __init__(self, rank: int, use_cuda: bool, pool_size: int = 4096) -> None:
+    def __init__(self, rank: int, use_cuda: bool, pool_size: int = 4096, busy: Optional[KernelActivity] = None) -> None:
         self.rank = rank
         self.use_cuda = use_cuda
+        self.busy = busy if use_cuda else None
+        self.busy_windows = 0  # windows that got busy time
+        self.busy_failures = 0  # windows that tried and did not
+        self.busy_failure = ""  # why the last one did not
+        self._busy_on = False
         self.active = False
         self._spans: list[Span] = []
         self._pool: list[Any] = []
@@ -72,11 +87,14 @@ class SpanRecorder:
         return event
 
     # -- window ------------------------------------------------------------------------------------
-    def begin_window(self) -> None:
+    def begin_window(self, busy: bool = False) -> None:
+        """Start a window; ``busy``: also measure GPU busy time in it (GPUs with a ``KernelActivity`` only)."""
         self._spans = []
         self._used = 0
         if self.use_cuda:
             torch.cuda.synchronize()
+            # after the synchronize, so that the first record of the session is the anchor (scan.busy)
+            self._busy_on = busy and self._start_busy()
             self._ref_host = now_us()
             self._ref_event = self._stamp(host=False)
         self.active = True
@@ -84,8 +102,15 @@ class SpanRecorder:
     def end_window(self) -> list[dict[str, Any]]:
         """Resolve every span of the window into complete trace events (sorted by start time)."""
         self.active = False
+        timeline = None
         if self.use_cuda:
+            end_event = None
+            if self._busy_on:
+                end_event = self._stamp(host=False)
+                self.busy.anchor()
             torch.cuda.synchronize()
+            if self._busy_on:
+                timeline = self._busy_timeline(end_event)
         events = []
         for span in self._spans:
             if span.end is None:
@@ -98,10 +123,59 @@ class SpanRecorder:
                     "enqueue_us": round(span.enqueue_end - span.enqueued, 1),
                     "queued_us": round(start - span.enqueued, 1),
                 }
+                if timeline is not None:
+                    args["busy_us"] = round(timeline.busy(start - self._ref_host, end - self._ref_host), 1)
+                    if span.cat == "step":
+                        args["busy_align_us"] = round(timeline.error_us, 1)
             events.append(complete(span.name, span.cat, self.rank, span.tid, start, max(end - start, 0.0), args))
         events.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
         self._spans = []
         return events
+
+    def _start_busy(self) -> bool:
+        """Start the window's profiler session and its first anchor; False when it cannot run (another session)."""
+        if self.busy is None:
+            return False
+        try:
+            if not self.busy.start():
+                return False
+            self.busy.anchor()
+        except Exception as err:  # noqa: BLE001  (busy time is an extra: a profiler failure must not end the fit)
+            self.busy.close()
+            self._busy_failed(f"the profiler did not start: {err}")
+            return False
+        return True
+
+    def _busy_timeline(self, end_event: Any) -> Optional[BusyTimeline]:
+        """Stop the window's profiler session and turn its records into a timeline on the span clock."""
+        self._busy_on = False
+        try:
+            records = self.busy.stop()
+            timeline, why = busy_timeline(records, self._ref_event.elapsed_time(end_event) * 1000.0)
+        except Exception as err:  # noqa: BLE001
+            timeline, why = None, f"the profiler failed: {err}"
+        if timeline is None:
+            self._busy_failed(why)
+        else:
+            self.busy_windows += 1
+        return timeline
+
+    def _busy_failed(self, why: str) -> None:
+        """Warn once; after ``_BUSY_TRIES`` failures without a success, stop trying (each try costs time)."""
+        if not self.busy_failures:
+            warnings.warn(f"MegaScan: no GPU busy time for a traced window: {why}", stacklevel=4)
+        self.busy_failures += 1
+        self.busy_failure = why
+        if self.busy_failures >= _BUSY_TRIES and not self.busy_windows:
+            warnings.warn(f"MegaScan: GPU busy time turned off after {self.busy_failures} failed windows", stacklevel=4)
+            self.busy = None
+
+    def shutdown(self) -> None:
+        """Leave no profiler session running (a fit that ended inside a window); never raises."""
+        self.active = False
+        self._busy_on = False
+        if self.busy is not None:
+            self.busy.close()
 
     def _host_time(self, stamp: Any) -> float:
         if isinstance(stamp, float):

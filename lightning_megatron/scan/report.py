@@ -190,7 +190,11 @@ def _evidence_text(suspect: Suspect) -> str:
             f"; last at {100 * e['last_arrival_fraction']:.0f}% of its {e['collective_group']} collectives"
             f" (imposed {e['imposed_wait_ms']:.2f} ms)"
         )
-    if suspect.kind == "host" and "host_paced_fraction" in e:
+    if "busy_excess" in e:  # GPU busy time decided compute or host (compute_rules.attribute_busy)
+        text += f"; GPU busy {e['busy_ms']:.2f} ms vs {e['baseline_busy_ms']:.2f} ms ({100 * e['busy_excess']:+.0f}%)"
+        if "host_queue_excess" in e and suspect.kind == "host":
+            text += f", host queueing {100 * e['host_queue_excess']:+.0f}%"
+    elif suspect.kind == "host" and "host_paced_fraction" in e:
         text += f"; host-paced spans {100 * e['host_paced_fraction']:.0f}%"
         if "peers_host_paced_fraction" in e:
             text += f" vs {100 * e['peers_host_paced_fraction']:.0f}% on peers"

@@ -24,6 +24,13 @@ default; in a random ``slow_fraction`` of its compute spans (partial: contention
 only in a random ``slow_step_fraction`` of the steps (bursty: another job that comes and goes). Rank layout is
 megatron-core's default order ``tp-cp-ep-dp-pp``: ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``.
 
+With ``gpu_busy`` every compute half runs as four kernels that fill 97 % of it (launch gaps), and each tensor-parallel
+all-reduce as an NCCL kernel; a slow rank's kernels are longer, while ``host_paced`` and ``idle_gaps`` stretch
+the *gaps* between kernels (the GPU idles, its kernels take as long as ever). Each step is one window: its
+kernels go, with the two anchor kernels, onto a profiler clock of their own (offset and 20 ppm fast) and through
+``scan.busy.busy_timeline``, the function the GPU recorder uses, which writes ``busy_us`` on the compute and
+layer spans.
+
     python -m lightning_megatron.scan.synthetic /tmp/trace --dp 64 --pp 4 --tp 4 --slow-rank 37:1.5
 """
 
@@ -36,6 +43,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_megatron.scan.busy import ANCHOR_NAME, Activity, busy_timeline
 from lightning_megatron.scan.format import TID, clock_metadata, rank_file_name, rank_metadata
 
 __all__ = ["generate_traces", "rank_of", "coords_of", "main"]
@@ -54,6 +62,9 @@ STEP_GAP_US = 50.0
 END_NOISE_US = 1.0  # members of one collective see its end within this much of each other
 START_US = 1_000_000.0  # true time of the first step; keeps every local clock positive
 DEFAULT_MAX_OFFSET_US = 50_000.0
+KERNELS_PER_HALF = 4  # gpu_busy: kernels per compute half (forward or backward halves: attention, MLP)
+KERNEL_FILL = 0.97  # ... and the fraction of the half they fill on a healthy rank (the rest: launch gaps)
+PROFILER_DRIFT = 20e-6  # the simulated profiler clock runs this much fast against the CUDA events' clock
 
 
 def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
@@ -110,15 +121,59 @@ class _Simulation:
         self.queue: Optional[dict[int, bool]] = None  # GPU queue fields per rank: True = host-paced
         self.queue_rng = random.Random(4099)  # its own stream: the other draws stay those of traces without it
         self.now: list[float] = [START_US] * world  # true time at which each rank is free
+        self.idle: Optional[list[float]] = None  # gpu_busy: per rank, the part of its slowdown that is idle GPU time
+        self.kernels: dict[tuple[int, int], list[tuple[str, float, float]]] = {}  # (rank, step): true times
+        self.pending: list[tuple[int, int, int, tuple[Any, ...]]] = []  # spans awaiting busy_us: rank, line, step
+        self.windows: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, step): the step's true start, end
         self.group_seq: dict[tuple[int, ...], int] = {}
         self.counts = {"p2p_pairs": 0, "collectives": 0, "collective_flows": 0}
 
     def x(self, rank: int, name: str, cat: str, tid: int, start: float, end: float, args: dict[str, Any]) -> None:
+        if self.idle is not None and cat in ("compute", "compute.layer"):  # busy_us comes after the step
+            step = int(args["step"])
+            self.pending.append((rank, len(self.lines[rank]), step, (name, cat, tid, start, end, args)))
+            self.lines[rank].append("")
+            return
+        self.lines[rank].append(self.line(rank, name, cat, tid, start, end, args))
+
+    def line(self, rank: int, name: str, cat: str, tid: int, start: float, end: float, args: dict[str, Any]) -> str:
         ts = start - self.offsets[rank]  # true time → the rank's own clock
-        self.lines[rank].append(
+        return (
             f'{{"name":"{name}","cat":"{cat}","ph":"X","pid":{rank},"tid":{tid},"ts":{ts:.3f},'
             f'"dur":{max(end - start, 0.0):.3f},"args":{json.dumps(args, separators=(",", ":"))}}}'
         )
+
+    def run_kernels(self, rank: int, step: int, start: float, end: float, factor: float) -> None:
+        """``gpu_busy``: the kernels of one compute half from ``start`` to ``end`` (true time), whose slowdown
+        ``factor`` is partly idle time (``self.idle``): longer gaps between the kernels, not longer kernels."""
+        if self.idle is None:
+            return
+        idle = self.idle[rank] if factor != 1.0 else 1.0
+        slot = (end - start) / KERNELS_PER_HALF
+        kernel = slot * KERNEL_FILL / idle
+        kernels = self.kernels.setdefault((rank, step), [])
+        for i in range(KERNELS_PER_HALF):
+            kernels.append(("sm90_xmma_gemm_bf16bf16_bf16f32", start + i * slot, start + i * slot + kernel))
+
+    def busy_lines(self) -> None:
+        """Write the spans held for ``busy_us``: each (rank, step) window's kernels, with the two anchors, on a
+        profiler clock of its own, through ``scan.busy.busy_timeline`` (the GPU recorder's path)."""
+        timelines = {}
+        for (rank, step), (ref, end) in self.windows.items():
+
+            def ns(t: float, ref: float = ref, rank: int = rank) -> int:
+                return 10**15 + rank * 10**9 + round((t - ref) * 1000.0 * (1.0 + PROFILER_DRIFT))
+
+            records = [Activity(ANCHOR_NAME, ns(ref - 1.0), ns(ref)), Activity(ANCHOR_NAME, ns(end), ns(end + 1.0))]
+            records += [Activity(name, ns(a), ns(b)) for name, a, b in self.kernels.get((rank, step), [])]
+            timeline, why = busy_timeline(records, end - ref)
+            if timeline is None:
+                raise RuntimeError(f"synthetic busy time of rank {rank}, step {step}: {why}")
+            timelines[(rank, step)] = (timeline, ref)
+        for rank, index, step, (name, cat, tid, start, end, args) in self.pending:
+            timeline, ref = timelines[(rank, step)]
+            args = {**args, "busy_us": round(timeline.busy(start - ref, end - ref), 1)}
+            self.lines[rank][index] = self.line(rank, name, cat, tid, start, end, args)
 
     def begin_step(self, slow_now: bool) -> None:
         """The slow ranks' factors in this step: all of them, or none (a bursty fault's quiet step)."""
@@ -231,10 +286,17 @@ class _Simulation:
                         factors = [self.factor(r) for r in lanes[s]]  # a partial slowdown hits whole spans
                         for _half in range(2):
                             arrivals = [now[r] + self.jit(base / 2.0) * f for r, f in zip(lanes[s], factors)]
+                            for r, f, arrival in zip(lanes[s], factors, arrivals):
+                                self.run_kernels(r, step, now[r], arrival, f)
                             if tp > 1:
+                                computed = arrivals
                                 arrivals = self.collective(
                                     lanes[s], arrivals, ACTIVATION_BYTES, tp_transfer, "tp", step
                                 )
+                                for r, a, b in zip(lanes[s], computed, arrivals):  # NCCL spins while it waits
+                                    if self.idle is not None:
+                                        nccl = ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", a, b)
+                                        self.kernels.setdefault((r, step), []).append(nccl)
                             for r, end in zip(lanes[s], arrivals):
                                 now[r] = end
                         name = "forward" if op == "F" else "backward"
@@ -269,7 +331,9 @@ def generate_traces(
     slow_data: Optional[dict[int, float]] = None,
     slow_host: Optional[dict[int, float]] = None,
     host_paced: Optional[dict[int, float]] = None,
+    idle_gaps: Optional[dict[int, float]] = None,
     gpu_queue: bool = False,
+    gpu_busy: bool = False,
     slow_fraction: float = 1.0,
     slow_step_fraction: float = 1.0,
     slow_from_step: int = 0,
@@ -290,7 +354,10 @@ def generate_traces(
     ``layers_per_stage`` > 0 adds layer spans (``granularity="layer"``); ``gpu_queue`` writes the GPU
     recorder's ``enqueue_us``/``queued_us`` on compute spans (a GPU running behind a full queue), and
     ``host_paced`` {rank: factor} makes a rank's compute that much longer *because its host is slow*: its GPU
-    reaches each span as soon as it is queued (``queued_us`` near 0);
+    reaches each span as soon as it is queued (``queued_us`` near 0); ``idle_gaps`` {rank: factor} makes it that
+    much longer through gaps between its kernels while its GPU still runs behind a queue at each span's start
+    (a host that sleeps between launches inside the spans: the queue fields alone cannot tell); ``gpu_busy`` writes
+    ``busy_us`` (module docstring);
     ``slow_data`` {rank: data-wait factor}, ``slow_host`` {rank: factor of the host's gap between steps}; ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
     given get 0); by default every rank but 0 gets a random offset within ±50 ms. ``truncate_ranks`` are cut in
     the middle of a line (as by a crash); ``missing_ranks`` are not written at all.
@@ -316,11 +383,14 @@ def generate_traces(
     # local = true - raw[r]; rank 0's clock is the reference, so the offset a rank should report is relative to it.
     truth_offsets = {r: raw[r] - raw[0] for r in range(world)}
     uncertainty = {r: (0.0 if r == 0 else rng.uniform(20.0, 80.0)) for r in range(world)}
-    host_paced = dict(host_paced or {})
-    factors = [slow_ranks.get(r, 1.0) * host_paced.get(r, 1.0) for r in range(world)]
+    host_paced, idle_gaps = dict(host_paced or {}), dict(idle_gaps or {})
+    idle = [host_paced.get(r, 1.0) * idle_gaps.get(r, 1.0) for r in range(world)]
+    factors = [slow_ranks.get(r, 1.0) * idle[r] for r in range(world)]
     sim = _Simulation(world, raw, factors, slow_links, rng, jitter, forward_us)
     if gpu_queue or host_paced:
         sim.queue = {r: r in host_paced for r in range(world)}
+    if gpu_busy:
+        sim.idle = idle
     sim.slow_fraction, sim.layers_per_stage = slow_fraction, layers_per_stage
     now = sim.now
     dp_transfer = 2.0 * (dp - 1) / dp * GRAD_BYTES / DP_BANDWIDTH
@@ -356,7 +426,10 @@ def generate_traces(
                     opt_end = end + sim.jit(OPTIMIZER_FACTOR * forward_us) * sim.factor(rank)
                     sim.x(rank, "optimizer-step", "optimizer", TID["host"], end, opt_end, {"step": step})
                     sim.x(rank, f"step {step}", "step", TID["steps"], step_start[rank], opt_end, {"step": step})
+                    sim.windows[(rank, step)] = (step_start[rank], opt_end)
                     now[rank] = opt_end
+    if gpu_busy:
+        sim.busy_lines()
 
     # Files: metadata and clock records first (written at fit start by the real callback), then the events.
     files: dict[int, str] = {}
@@ -414,6 +487,7 @@ def generate_traces(
         "slow_step_fraction": slow_step_fraction,
         "slow_links": slow_links,
         "slow_data": slow_data,
+        "idle_gaps": idle_gaps,
         "clock_offsets_us": truth_offsets,
         "clock_uncertainty_us": uncertainty,
         "missing_ranks": sorted(missing),

@@ -29,7 +29,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
@@ -41,6 +41,7 @@ from lightning_megatron.compat.megatron import initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSession
+from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO
 from lightning_megatron.strategy.chunks import install_config_hooks, unwrap, validated_chunks, wrap_ddp
@@ -83,6 +84,11 @@ class MegatronAppStrategy(ParallelStrategy):
             that accumulates into the fp32 ``main_grad`` (GPUs, bf16/fp16), without the half-precision temporary
             and the separate add; what megatron-core's flag of that name does with apex, here without apex
             (:mod:`lightning_megatron.pipeline.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
+        tp_comm_overlap: Overlap the tensor-parallel all-gathers, reduce-scatters and all-reduces of every
+            ``ColumnParallelLinear`` / ``RowParallelLinear`` with their GEMMs (chunked collective matmul over NCCL,
+            no Transformer Engine; :mod:`lightning_megatron.pipeline.tp_overlap`). Same results; ignored (with a
+            warning) at TP 1.
+        tp_comm_overlap_chunks: With ``tp_comm_overlap``: pieces the token dimension of each GEMM is cut into.
         ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
@@ -112,6 +118,8 @@ class MegatronAppStrategy(ParallelStrategy):
         overlap_param_gather: bool = False,
         grad_reduce_in_fp32: bool = True,
         gradient_accumulation_fusion: bool = False,
+        tp_comm_overlap: bool = False,
+        tp_comm_overlap_chunks: int = 2,
         ddp_bucket_size: Optional[int] = None,
         deallocate_pipeline_outputs: bool = True,
         ddp_config: Optional[dict[str, Any]] = None,
@@ -157,6 +165,7 @@ class MegatronAppStrategy(ParallelStrategy):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
+        self.tp_comm_overlap = tp_comm_overlap_options(tp_comm_overlap, tp_comm_overlap_chunks, self.layout.tensor)
         self._fused_linears: Optional[SplitLinears] = None  # installed for a fit, restored at teardown
         self._ddp_kwargs = dict(
             grad_reduce_in_fp32=grad_reduce_in_fp32,
@@ -342,8 +351,16 @@ class MegatronAppStrategy(ParallelStrategy):
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
             self._chunks = wrap_ddp(wrapped, self._ddp_kwargs) if fitting else wrapped
-        if fitting and self.gradient_accumulation_fusion and self._fused_linears is None:
-            self._fused_linears = split_linears(self._chunks)  # outside a zero-bubble step W runs inside B
+        if fitting and (self.gradient_accumulation_fusion or self.tp_comm_overlap) and self._fused_linears is None:
+            self._fused_linears = split_linears(  # outside a zero-bubble step W runs inside B
+                self._chunks, overlap=self.tp_comm_overlap, accumulate=self.gradient_accumulation_fusion
+            )
+            if self.tp_comm_overlap and not self._fused_linears.modules:
+                rank_zero_warn(
+                    "`tp_comm_overlap=True` found no megatron-core ColumnParallelLinear/RowParallelLinear to overlap "
+                    "(Transformer Engine layers, or apex's gradient_accumulation_fusion in the model config); it "
+                    "does nothing here."
+                )
         self._install_config_hooks()
         if fitting:
             self.setup_optimizers(trainer)

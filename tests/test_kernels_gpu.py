@@ -1,0 +1,401 @@
+"""Fused norms and bias gradients (``lightning_megatron.kernels``) on a GPU (skipped without CUDA): bf16 parity
+and timing against the unfused ops at the 1.3B GPT's shapes (8192 tokens x hidden 2048, TP2 slices of the
+linears) and a Llama-like hidden of 4096.
+
+Parity: fresh random bf16 inputs per check (never zeros), outputs NaN-poisoned before each run (every element
+must be written), the Triton path in use; the fused result's ‖out − ref‖ / ‖ref‖ against a float64 reference on
+the same bf16 inputs must be under 1e-2 and within 2x (+1e-4) of the unfused ops' own error.
+
+Timing: fused and unfused alternated (order flipped every repetition), CUDA events around each call, four input
+sets rotated so repeated calls do not run from the cache, median of 200 repetitions after warm-up.
+
+The fused bias-dropout-add + norm (``residual_norm``) is checked the same way against megatron-core's compiled
+bias-dropout-add followed by ATen's norm, with gradients into both outputs.
+
+Fit: a small GPT-2-style GPTModule (LayerNorm, biases, the fused tanh bias-GeLU) trained in bf16 on one GPU with
+``fused_norms``, ``fused_bias_grad`` and ``fused_residual_norm`` on gives the unfused losses within bf16 tolerance (2e-2 relative per step).
+
+``LM_RESULTS_DIR``: where the errors and times go (``kernels_gpu.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 8192
+WARMUP, REPS, SETS = 20, 200, 4
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "an output element was never written (NaN poison left) or overflowed"
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def _record(tmp_path: Path, key: str, row: dict[str, Any]) -> None:
+    out = Path(os.environ.get("LM_RESULTS_DIR", tmp_path)) / "kernels_gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = json.loads(out.read_text()) if out.exists() else {}
+    rows[key] = {**row, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out.write_text(json.dumps(rows, indent=1))
+
+
+@pytest.fixture
+def poisoned() -> Any:
+    from lightning_megatron.kernels import _triton
+
+    assert os.environ.get("LM_FUSED_KERNELS") != "torch", "unset LM_FUSED_KERNELS: it turns the kernels off"
+    assert _triton.triton is not None, "Triton is not importable: the fused path would be the torch fallback"
+    _triton.POISON["on"] = True
+    yield _triton
+    _triton.POISON["on"] = False
+
+
+def _norm_case(rms: bool, tokens: int, hidden: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(tokens, hidden, device="cuda", generator=g) * 2 + 0.3).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(torch.bfloat16)
+    b = (0.1 * torch.randn(hidden, device="cuda", generator=g)).to(torch.bfloat16)
+    dy = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    return ([x, w] if rms else [x, w, b]), dy
+
+
+def _run(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], dy: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(dy)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _norm_fns(rms: bool, hidden: int) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    from lightning_megatron.kernels import layer_norm, rms_norm
+
+    if rms:
+        return (lambda x, w: rms_norm(x, w, 1e-5)), (lambda x, w: F.rms_norm(x, (hidden,), w, 1e-5))
+    return (lambda x, w, b: layer_norm(x, w, b, 1e-5)), (lambda x, w, b: F.layer_norm(x, (hidden,), w, b, 1e-5))
+
+
+@pytest.mark.parametrize(("rms", "hidden"), [(False, 2048), (False, 1000), (True, 4096), (True, 2048)])
+def test_norms_bf16_parity(poisoned: Any, rms: bool, hidden: int, tmp_path: Path) -> None:
+    fused, unfused = _norm_fns(rms, hidden)
+    names = ["output", "grad_x", "grad_weight", "grad_bias"]
+    for seed in range(2):  # fresh inputs each time
+        inputs, dy = _norm_case(rms, TOKENS + 37 * seed, hidden, seed + hidden)
+        assert poisoned.use_triton(inputs[0])
+        reference = _run(unfused, [t.double() for t in inputs], dy.double())
+        ours, aten = _run(fused, inputs, dy), _run(unfused, inputs, dy)
+        torch.cuda.synchronize()
+        errors = {}
+        for name, a, u, r in zip(names, ours, aten, reference):
+            assert a.dtype == u.dtype, name
+            errors[name] = (_rel(a, r), _rel(u, r))
+            assert errors[name][0] < 1e-2, (name, errors[name])
+            assert errors[name][0] <= 2 * errors[name][1] + 1e-4, (name, errors[name])
+    _record(tmp_path, f"parity/{'rmsnorm' if rms else 'layernorm'}/{hidden}", {"fused_vs_unfused_error": errors})
+
+
+_FIT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+from cases import fit_gpt
+from test_kernels import fused_modules
+fused = sys.argv[1] == "on"
+model = dict(vocab_size=512, seq_length=128, num_layers=2, hidden_size=256, num_attention_heads=4,
+             activation="gelu_tanh", lr=1e-3, fused_norms=fused, fused_bias_grad=fused,
+             fused_residual_norm=fused)
+out = fit_gpt(1, steps=6, precision="bf16-mixed", accelerator="gpu", model=model, probe=fused_modules,
+              data={"vocab_size": 512, "seq_length": 128})
+print("RESULT", json.dumps({"loss": out["loss"], "grad_norm": out["grad_norm"], "probe": out["probe"]}))
+"""
+
+
+def test_fit_bf16_with_fused_kernels_matches_unfused(tmp_path: Path) -> None:
+    results = {}
+    for setting in ("off", "on"):
+        done = subprocess.run(
+            [sys.executable, "-c", _FIT, setting], cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert done.returncode == 0 and lines, done.stderr[-4000:]
+        results[setting] = json.loads(lines[-1][len("RESULT ") :])
+    assert results["on"]["probe"] == {"norms": 5, "qkv": 2, "mlp": 2, "bda": 2, "residual_norm": 4, "missed": 0}
+    assert results["off"]["probe"] == {"norms": 0, "qkv": 0, "mlp": 0, "bda": 0, "residual_norm": 0, "missed": 0}
+    _record(tmp_path, "fit/gpt2-style-bf16", results)
+    for off, on in zip(results["off"]["loss"], results["on"]["loss"]):
+        assert on == pytest.approx(off, rel=2e-2), results
+
+
+@pytest.mark.parametrize("width", [2048, 3072, 4096, 1000])
+def test_bias_grad_bf16_parity(poisoned: Any, width: int, tmp_path: Path) -> None:
+    from lightning_megatron.kernels import bias_grad
+
+    for seed in range(2):
+        g = torch.Generator(device="cuda").manual_seed(width + seed)
+        dy = torch.randn(TOKENS // 2, 2, width, device="cuda", generator=g).to(torch.bfloat16)
+        ours, aten = bias_grad(dy), dy.sum(dim=(0, 1))
+        reference = dy.double().sum(dim=(0, 1))
+        errors = (_rel(ours, reference), _rel(aten, reference))
+        assert ours.dtype == aten.dtype and errors[0] < 1e-2 and errors[0] <= 2 * errors[1] + 1e-4, errors
+    _record(tmp_path, f"parity/bias_grad/{width}", {"fused_vs_unfused_error": errors})
+
+
+def test_bias_gelu_and_bias_dropout_add_bf16_parity(poisoned: Any, tmp_path: Path) -> None:
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+    from lightning_megatron.kernels import bias_dropout_add, bias_gelu
+
+    def gelu64(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        v = x + b
+        return v * 0.5 * (1.0 + torch.tanh(0.79788456 * v * (1 + 0.044715 * v * v)))
+
+    megatron_bda = get_bias_dropout_add(training=True, fused=True)
+    results = {}
+    for seed in range(2):
+        g = torch.Generator(device="cuda").manual_seed(100 + seed)
+        x = torch.randn(TOKENS // 2, 2, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        b = (0.5 * torch.randn(4096, device="cuda", generator=g)).to(torch.bfloat16)
+        dy = torch.randn(TOKENS // 2, 2, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        reference = _run(gelu64, [x.double(), b.double()], dy.double())
+        ours, theirs = _run(bias_gelu, [x, b], dy), _run(bias_gelu_impl, [x, b], dy)
+        for name, a, u, r in zip(["output", "grad_x", "grad_bias"], ours, theirs, reference):
+            results[f"bias_gelu/{name}"] = (_rel(a, r), _rel(u, r))
+        h = x[..., :2048].contiguous()
+        residual = torch.randn(h.shape, device="cuda", generator=g).to(torch.bfloat16)
+        dh = dy[..., :2048].contiguous()
+        b2 = b[:2048].contiguous()
+        reference = _run(lambda x, b, r: r + (x + b), [h.double(), b2.double(), residual.double()], dh.double())
+        ours = _run(bias_dropout_add, [h, b2, residual], dh)
+        theirs = _run(lambda x, b, r: megatron_bda((x, b), r, 0.0), [h, b2, residual], dh)
+        for name, a, u, r in zip(["output", "grad_x", "grad_bias", "grad_residual"], ours, theirs, reference):
+            results[f"bias_dropout_add/{name}"] = (_rel(a, r), _rel(u, r))
+        for name, (fused_error, unfused_error) in results.items():
+            assert fused_error < 1e-2 and fused_error <= 2 * unfused_error + 1e-4, (name, fused_error, unfused_error)
+    _record(tmp_path, "parity/bias_gelu_and_bda", {"fused_vs_unfused_error": results})
+
+
+def _residual_case(rms: bool, hidden: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def bf16(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g) * scale + shift).to(torch.bfloat16)
+
+    shape = (TOKENS // 2, 2, hidden)
+    inputs = [bf16(*shape), bf16(hidden, scale=0.5), bf16(*shape, scale=2.0), bf16(hidden, scale=0.1, shift=1.0)]
+    if not rms:
+        inputs.append(bf16(hidden, scale=0.1))
+    return inputs, [bf16(*shape), bf16(*shape)]  # the gradients of h and of the norm's output
+
+
+def _residual_fns(rms: bool, hidden: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from lightning_megatron.kernels.norms import residual_norm
+
+    megatron_bda = get_bias_dropout_add(training=True, fused=True)
+
+    def fused(x: torch.Tensor, xb: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: Any = None) -> Any:
+        return residual_norm(x, xb, r, w, b, 1e-5, rms)
+
+    def unfused(x: torch.Tensor, xb: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: Any = None) -> Any:
+        h = megatron_bda((x, xb), r, 0.0) if x.dtype != torch.float64 else r + (x + xb)
+        return h, (F.rms_norm(h, (hidden,), w, 1e-5) if rms else F.layer_norm(h, (hidden,), w, b, 1e-5))
+
+    return fused, unfused
+
+
+def _run_two(fn: Callable[..., Any], inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    h, y = fn(*leaves)
+    torch.autograd.backward([h, y], grads)
+    return [h.detach(), y.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize(("rms", "hidden"), [(False, 2048), (True, 4096)])
+def test_residual_norm_bf16_parity(poisoned: Any, rms: bool, hidden: int, tmp_path: Path) -> None:
+    fused, unfused = _residual_fns(rms, hidden)
+    names = ["h", "output", "grad_x", "grad_x_bias", "grad_residual", "grad_weight", "grad_bias"]
+    for seed in range(2):
+        inputs, grads = _residual_case(rms, hidden, 200 + seed)
+        assert poisoned.use_triton(inputs[0])
+        reference = _run_two(unfused, [t.double() for t in inputs], [t.double() for t in grads])
+        ours, theirs = _run_two(fused, inputs, grads), _run_two(unfused, inputs, grads)
+        torch.cuda.synchronize()
+        errors = {}
+        for name, a, u, r in zip(names, ours, theirs, reference):
+            errors[name] = (_rel(a, r), _rel(u, r))
+            assert a.dtype == u.dtype and errors[name][0] < 1e-2, (name, errors[name])
+            assert errors[name][0] <= 2 * errors[name][1] + 1e-4, (name, errors[name])
+    _record(tmp_path, f"parity/residual_norm/{'rmsnorm' if rms else 'layernorm'}/{hidden}", {"errors": errors})
+
+
+# -- timing ----------------------------------------------------------------------------------------------------------
+
+
+def _time_alternated(variants: dict[str, Callable[[int], Any]]) -> dict[str, float]:
+    """Median microseconds of each variant (called with the input-set index), alternated, with CUDA events."""
+    names = list(variants)
+    for i in range(WARMUP):
+        for name in names:
+            variants[name](i % SETS)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(REPS):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            variants[name](rep % SETS)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000.0)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _fwd_bwd(
+    fn: Callable[..., torch.Tensor], sets: list[tuple[list[torch.Tensor], torch.Tensor]]
+) -> Callable[[int], Any]:
+    def call(i: int) -> None:
+        inputs, dy = sets[i]
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(dy)
+
+    return call
+
+
+@pytest.mark.parametrize(("rms", "hidden"), [(False, 2048), (True, 4096), (True, 2048)])
+def test_time_norms(rms: bool, hidden: int, tmp_path: Path) -> None:
+    from lightning_megatron.kernels._triton import use_triton
+
+    fused, unfused = _norm_fns(rms, hidden)
+    sets = []
+    for s in range(SETS):
+        inputs, dy = _norm_case(rms, TOKENS, hidden, 1000 + s)
+        sets.append(([t.requires_grad_() for t in inputs], dy))
+    assert use_triton(sets[0][0][0])
+    x_sets = [inputs[0].detach() for inputs, _ in sets]
+    with torch.no_grad():
+        forward = _time_alternated(
+            {
+                "unfused": lambda i: unfused(x_sets[i], *sets[i][0][1:]),
+                "fused": lambda i: fused(x_sets[i], *sets[i][0][1:]),
+            }
+        )
+    from lightning_megatron.kernels import norms
+
+    def programs_per_sm(count: int) -> Callable[[int], Any]:  # the backward's persistent programs, a tuning knob
+        call = _fwd_bwd(fused, sets)
+
+        def timed(i: int) -> None:
+            default, norms.BACKWARD_PROGRAMS_PER_SM = norms.BACKWARD_PROGRAMS_PER_SM, count
+            try:
+                call(i)
+            finally:
+                norms.BACKWARD_PROGRAMS_PER_SM = default
+
+        return timed
+
+    both = _time_alternated(
+        {
+            "unfused": _fwd_bwd(unfused, sets),
+            "fused": _fwd_bwd(fused, sets),
+            "fused_2_per_sm": programs_per_sm(2),
+            "fused_8_per_sm": programs_per_sm(8),
+        }
+    )
+    row = {
+        "shape": [TOKENS, hidden],
+        "forward_us": forward,
+        "forward_backward_us": both,
+        "speedup_forward": forward["unfused"] / forward["fused"],
+        "speedup_forward_backward": both["unfused"] / both["fused"],
+    }
+    _record(tmp_path, f"time/{'rmsnorm' if rms else 'layernorm'}/{hidden}", row)
+    print(row)
+    assert all(v > 0 for v in (*forward.values(), *both.values()))
+
+
+@pytest.mark.parametrize("width", [2048, 3072, 4096, 8192])
+def test_time_bias_grad(width: int, tmp_path: Path) -> None:
+    from lightning_megatron.kernels import bias_grad
+
+    sets = [torch.randn(TOKENS // 2, 2, width, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+    times = _time_alternated({"unfused": lambda i: sets[i].sum(dim=(0, 1)), "fused": lambda i: bias_grad(sets[i])})
+    row = {"shape": [TOKENS, width], "us": times, "speedup": times["unfused"] / times["fused"]}
+    _record(tmp_path, f"time/bias_grad/{width}", row)
+    print(row)
+    assert torch.allclose(bias_grad(sets[0]).float(), sets[0].sum(dim=(0, 1)).float(), rtol=2e-2, atol=0.5)
+
+
+@pytest.mark.parametrize(("rms", "hidden"), [(False, 2048), (True, 4096)])
+def test_time_residual_norm(rms: bool, hidden: int, tmp_path: Path) -> None:
+    fused, unfused = _residual_fns(rms, hidden)
+    sets = []
+    for s in range(SETS):
+        inputs, grads = _residual_case(rms, hidden, 300 + s)
+        sets.append(([t.requires_grad_() for t in inputs], grads))
+
+    def fwd_bwd(fn: Callable[..., Any]) -> Callable[[int], None]:
+        def call(i: int) -> None:
+            inputs, grads = sets[i]
+            for t in inputs:
+                t.grad = None
+            torch.autograd.backward(list(fn(*inputs)), grads)
+
+        return call
+
+    times = _time_alternated({"unfused": fwd_bwd(unfused), "fused": fwd_bwd(fused)})
+    row = {"shape": [TOKENS, hidden], "forward_backward_us": times, "speedup": times["unfused"] / times["fused"]}
+    _record(tmp_path, f"time/residual_norm/{'rmsnorm' if rms else 'layernorm'}/{hidden}", row)
+    print(row)
+    assert all(v > 0 for v in times.values())
+
+
+def test_time_bias_gelu_and_bias_dropout_add(tmp_path: Path) -> None:
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+    from lightning_megatron.kernels import bias_dropout_add, bias_gelu
+
+    def case(width: int, extra: bool) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        sets = []
+        for _ in range(SETS):
+            x = torch.randn(TOKENS // 2, 2, width, device="cuda").to(torch.bfloat16).requires_grad_()
+            b = (0.5 * torch.randn(width, device="cuda")).to(torch.bfloat16).requires_grad_()
+            inputs = [x, b]
+            if extra:
+                inputs.append(torch.randn(TOKENS // 2, 2, width, device="cuda").to(torch.bfloat16).requires_grad_())
+            sets.append((inputs, torch.randn(TOKENS // 2, 2, width, device="cuda").to(torch.bfloat16)))
+        return sets
+
+    gelu_sets, bda_sets = case(4096, False), case(2048, True)
+    megatron_bda = get_bias_dropout_add(training=True, fused=True)
+    rows = {
+        "bias_gelu_4096": _time_alternated(
+            {"unfused": _fwd_bwd(bias_gelu_impl, gelu_sets), "fused": _fwd_bwd(bias_gelu, gelu_sets)}
+        ),
+        "bias_dropout_add_2048": _time_alternated(
+            {
+                "unfused": _fwd_bwd(lambda x, b, r: megatron_bda((x, b), r, 0.0), bda_sets),
+                "fused": _fwd_bwd(bias_dropout_add, bda_sets),
+            }
+        ),
+    }
+    for name, times in rows.items():
+        row = {"tokens": TOKENS, "forward_backward_us": times, "speedup": times["unfused"] / times["fused"]}
+        _record(tmp_path, f"time/{name}", row)
+        print(name, row)
+        assert all(v > 0 for v in times.values())
