@@ -266,7 +266,8 @@ def test_gpu_busy_arguments_are_checked() -> None:
     assert scan._busy_window(7)  # the 4th window: sampled (0, 3, 6, ...)
     scan._windows = 4
     assert not scan._busy_window(9)
-    profiled = MegaScan(interval=4, window=2, profile_steps=[6])
+    assert MegaScan().gpu_busy_every == 10  # about 80 ms per profiled window on an H200: 1 window in 10
+    profiled = MegaScan(interval=4, window=2, profile_steps=[6], gpu_busy_every=1)
     profiled._windows = 1
     assert not profiled._busy_window(5) and profiled._busy_window(1)  # a window holding a profiled step
 
