@@ -39,37 +39,16 @@ from dpp import worker  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def zb_cases(forward_s: float) -> list[dict[str, Any]]:
+    def zb(name: str, **options: Any) -> dict[str, Any]:
+        return dict(name=name, condition="clean", schedule="zb-h1", options=options, baseline="1f1b")
+
     return [
         dict(name="1f1b", condition="clean", schedule="1f1b", options={}, baseline="1f1b"),
         dict(name="1f1b+fusion", condition="clean", schedule="1f1b", options={}, baseline="1f1b", fused_wgrad=True),
-        dict(
-            name="zb-h1-first-rank",
-            condition="clean",
-            schedule="zb-h1",
-            options={"weight_grad_memory": "first-rank"},
-            baseline="1f1b",
-        ),
-        dict(
-            name="zb-h1-own-rank",
-            condition="clean",
-            schedule="zb-h1",
-            options={"weight_grad_memory": "own-rank"},
-            baseline="1f1b",
-        ),
-        dict(
-            name="zb-h1-budget-1.05",
-            condition="clean",
-            schedule="zb-h1",
-            options={"weight_grad_memory": 1.05},
-            baseline="1f1b",
-        ),
-        dict(
-            name="zb-h1-no-defer",
-            condition="clean",
-            schedule="zb-h1",
-            options={"max_deferred_weight_grads": 0},
-            baseline="1f1b",
-        ),
+        zb("zb-h1-first-rank", weight_grad_memory="first-rank"),
+        zb("zb-h1-own-rank", weight_grad_memory="own-rank"),
+        zb("zb-h1-budget-1.05", weight_grad_memory=1.05),
+        zb("zb-h1-no-defer", max_deferred_weight_grads=0),
     ]
 
 

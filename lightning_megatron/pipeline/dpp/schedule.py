@@ -188,7 +188,7 @@ class DppSession:
         records = step.run()
         self.last_order, self.last_sequence = step.order, step.sequence
         self.last_peak, self.last_peak_held = step.state.peak, step.peak_held
-        self.last_weight_grad_bytes = step.weight_grad_bytes
+        self.last_weight_grad_bytes = step.largest_stash_bytes
         self._steps += 1
         if step.split and not self._budget_measured and not isinstance(self.options.weight_grad_memory, str):
             self._measure_budget(float(self.options.weight_grad_memory))
@@ -270,7 +270,7 @@ class _Step:
         """Activations held + weight gradients pending before a forward, at most (the memory rule)."""
         self.peak_held = 0
         """The most activations + pending weight gradients this rank held at once in the step."""
-        self.weight_grad_bytes = 0
+        self.largest_stash_bytes = 0
         """The most bytes one microbatch's pending weight gradients kept in the step."""
         self.sequence: list[str] = []
 
@@ -485,7 +485,7 @@ class _Step:
             with collecting([]) as stash:
                 input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
             self.pending_w.append((task, stash))
-            self.weight_grad_bytes = max(self.weight_grad_bytes, _stash_bytes(stash))
+            self.largest_stash_bytes = max(self.largest_stash_bytes, _stash_bytes(stash))
         out_message = self.plan.output_of(task)
         if out_message is not None:
             self._send(out_message, input_grad)
