@@ -117,7 +117,10 @@ def _worker(spec: dict[str, Any]) -> None:
     workdir = Path(spec["workdir"])
     clean_ms: list[float] = []
     competitors: dict[tuple[str, int], Any] = {}
-    plan = [(case, i) for i in range(runs) for case in cases(spec["layout_name"], spec["accelerator"] == "gpu")]
+    chosen = cases(spec["layout_name"], spec["accelerator"] == "gpu")
+    if spec.get("cases"):
+        chosen = ["clean"] + [case for case in chosen if case in spec["cases"] and case != "clean"]
+    plan = [(case, i) for i in range(runs) for case in chosen]
     # Round by round (each round's clean run first: the faults' sizes come from the clean runs so far), so a
     # deadline cuts every case alike and slow drift of the machine falls on every case alike.
     try:
@@ -239,7 +242,17 @@ def main() -> int:
     parser.add_argument(
         "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
     )
-    parser.add_argument("--append", action="store_true", help="keep the layouts already in --out (other launches)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=list(EXPECTED),
+        help="run only these fault cases (clean always runs: it sizes the faults); default all",
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep what --out holds from other launches: other layouts, and this layout's earlier runs (scored together)",
+    )
     args = parser.parse_args()
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))
@@ -275,6 +288,7 @@ def main() -> int:
                 "granularity": GRANULARITY.get(name, "stage"),
                 "micro_batch_size": base["micro_batch_size"],
                 "global_batch_size": base["micro_batch_size"] * MICROBATCHES * dp,
+                "cases": args.cases,
                 "workdir": f"{workdir}/{name}",
                 "result": f"{workdir}/{name}.json",
                 "deadline": began + args.budget_s * (k + 1) / len(args.layouts) if args.budget_s else None,
@@ -282,6 +296,10 @@ def main() -> int:
             outcome = _launch(spec)
             if args.keep_traces:
                 shutil.copytree(spec["workdir"], args.keep_traces / name, dirs_exist_ok=True)
+            earlier = result["layouts"].get(name, {}).get("runs", [])
+            if earlier:  # --append: this launch's runs join the layout's earlier ones (numbered after them)
+                offset = 1 + max(r["run"] for r in earlier)
+                outcome["runs"] = earlier + [{**r, "run": r["run"] + offset} for r in outcome["runs"]]
             if outcome["runs"]:
                 outcome["score"] = score(outcome["runs"])
                 print(json.dumps({name: outcome["score"]}, indent=1), flush=True)
