@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -217,15 +218,41 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _launch(spec: dict[str, Any]) -> dict[str, Any]:
+    """One torchrun launch of the layout. Its progress lines are echoed as they come, and the runs made so far
+    are read back even when this process is stopped (SIGTERM from an outer ``timeout``, Ctrl-C): the worker
+    writes them after every fit."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     command += [__file__, "--worker-spec", json.dumps(spec)]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    sys.stdout.write("\n".join(line for line in proc.stdout.splitlines() if " run " in line) + "\n")
+    log_path = Path(spec["workdir"] + ".log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    returncode: int | str = "stopped"
+    with (
+        open(log_path, "w") as log,
+        subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
+        ) as proc,
+    ):
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if " run " in line or "deadline" in line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+            returncode = proc.wait(timeout=3600)
+        except (SystemExit, KeyboardInterrupt):
+            pass  # returncode stays "stopped": the runs made so far are read below and written by main
+        finally:
+            if proc.poll() is None:  # stopped from outside: end the launch's whole process group, then read
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
     runs = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else []
-    if proc.returncode != 0 or not runs:
-        log = proc.stdout + proc.stderr
-        first = log.find("Traceback (most recent call last)")
-        return {"error": f"exit {proc.returncode}", "first_traceback": log[first : first + 4000], "runs": runs}
+    if returncode != 0 or not runs:
+        text = log_path.read_text()
+        first = text.find("Traceback (most recent call last)")
+        return {"error": f"exit {returncode}", "first_traceback": text[first : first + 4000], "runs": runs}
     return {"runs": runs}
 
 
@@ -254,6 +281,10 @@ def main() -> int:
         help="keep what --out holds from other launches: other layouts, and this layout's earlier runs (scored together)",
     )
     args = parser.parse_args()
+    if not args.worker_spec:  # an outer `timeout` stops us with SIGTERM: unwind, so the runs made are written
+        signal.signal(
+            signal.SIGTERM, lambda *_: sys.exit(f"stopped by SIGTERM; the runs made so far are in {args.out}")
+        )
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))
         return 0
@@ -306,6 +337,9 @@ def main() -> int:
             result["layouts"][name] = outcome
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1))
+            if outcome.get("error") == "exit stopped":
+                print(f"stopped: the runs made so far are in {args.out}", flush=True)
+                return 1
     return 0
 
 
