@@ -155,16 +155,7 @@ def _worker(spec: dict[str, Any]) -> None:
                     "faulted_rank": None if case == "clean" else rank,
                     "step_ms": round(median_ms, 3),
                     "seconds": round(time.perf_counter() - started, 1),
-                    "suspects": [
-                        {
-                            "rank": s.rank,
-                            "kind": s.kind,
-                            "slowdown": s.slowdown,
-                            "impact_ms": round(s.impact_ms, 3),
-                            "rule": s.evidence.get("rule", "per-op medians"),
-                        }
-                        for s in (report.suspects if report is not None else [])
-                    ],
+                    "suspects": [_suspect_record(s) for s in (report.suspects if report is not None else [])],
                 }
             )
             if dist.get_rank() == 0:
@@ -215,6 +206,37 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
         entry["named_kinds"] = kinds
         table[case] = entry
     return table
+
+
+def rescore(result: dict[str, Any], traces: Path) -> dict[str, Any]:
+    """Detection run again, with today's rules, on the traces a GPU evaluation kept (``--keep-traces``): every
+    run whose folder ``TRACES/LAYOUT/CASE-RUN`` exists gets its suspects anew; runs without traces are left
+    out. The faults stay what they were, so a change of the rules is judged on real GPU traces without GPU
+    time."""
+    from lightning_megatron.scan.detect import detect
+
+    out = {**result, "rescored_from": str(traces), "layouts": {}}
+    for name, outcome in result["layouts"].items():
+        runs = []
+        for run in outcome.get("runs", []):
+            folder = traces / name / f"{run['case']}-{run['run']}"
+            if not folder.is_dir():
+                continue
+            report = detect(folder)
+            runs.append({**run, "suspects": [_suspect_record(s) for s in report.suspects]})
+        if runs:
+            out["layouts"][name] = {"runs": runs, "score": score(runs)}
+    return out
+
+
+def _suspect_record(s: Any) -> dict[str, Any]:
+    return {
+        "rank": s.rank,
+        "kind": s.kind,
+        "slowdown": s.slowdown,
+        "impact_ms": round(s.impact_ms, 3),
+        "rule": s.evidence.get("rule", "per-op medians"),
+    }
 
 
 def _launch(spec: dict[str, Any]) -> dict[str, Any]:
@@ -280,7 +302,24 @@ def main() -> int:
         action="store_true",
         help="keep what --out holds from other launches: other layouts, and this layout's earlier runs (scored together)",
     )
+    parser.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="TRACES",
+        help="no launch: detect again on the traces kept by --keep-traces, for the runs of the result named by --from",
+    )
+    parser.add_argument("--from", dest="source", type=Path, help="with --rescore: the evaluation's result JSON")
     args = parser.parse_args()
+    if args.rescore:
+        if args.source is None or args.out is None:
+            parser.error("--rescore needs --from RESULT.json and --out")
+        rescored = rescore(json.loads(args.source.read_text()), args.rescore)
+        rescored["rescore_command"] = " ".join(["python", "benchmarks/megascan_eval.py", *sys.argv[1:]])
+        rescored["rescored_at"] = provenance()["date"]
+        for name, outcome in rescored["layouts"].items():
+            print(json.dumps({name: outcome["score"]}, indent=1))
+        args.out.write_text(json.dumps(rescored, indent=1))
+        return 0
     if not args.worker_spec:  # an outer `timeout` stops us with SIGTERM: unwind, so the runs made are written
         signal.signal(
             signal.SIGTERM, lambda *_: sys.exit(f"stopped by SIGTERM; the runs made so far are in {args.out}")

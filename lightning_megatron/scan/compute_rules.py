@@ -7,7 +7,7 @@ suspects out; statistics come from ``scan.compare``. Four rules, each for what t
   by excess, z and superiority; the evidence adds collective arrival order and the slowest layer parts;
 * **per step** (``step_suspects``): per-step sums, each rank against each peer with Wilcoxon's signed-rank
   test over steps; finds partial and bursty slowdowns that per-op medians do not move;
-* **across stages** (``cross_stage_suspects``): ranks alone in their stage, on transformer layer parts;
+* **across stages**: ranks alone in their stage, on transformer layer parts (``scan.stage_rules``);
 * **against itself** (``own_history_suspects``): a rank's later steps against its own earlier ones (the
   analysed steps split in halves), for what no peer can show: a lone stage without layer spans, or every
   rank at once. It names a change within the analysed steps, not a rank that was slow from the start.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_megatron.scan.compare import (
@@ -45,8 +46,8 @@ from lightning_megatron.scan.report import RankSummary, Suspect
 __all__ = [
     "attribute_busy",
     "attribute_host",
+    "comparison_evidence",
     "compute_suspects",
-    "cross_stage_suspects",
     "flagged",
     "make_suspect",
     "own_history_suspects",
@@ -114,17 +115,7 @@ def compute_suspects(
             impact_us = compute_us * c.excess / (1 + c.excess)
             if impact_us < min_impact_us:
                 continue
-            evidence: dict[str, Any] = {
-                "median_ms": c.median / 1000,
-                "baseline_ms": c.baseline / 1000,
-                "z": round(c.z, 2),
-                "superiority": round(c.superiority, 3),
-                "samples": c.n,
-                "peers": len(members) - 1,
-                "impact_ms": impact_us / 1000,
-                "step_ms": summary.step_ms,
-                "compute_ms": summary.compute_ms,
-            }
+            evidence = comparison_evidence(c, len(members) - 1, impact_us, summary)
             evidence.update(_collective_evidence(collectives.get(rank, {})))
             if rank in layer_levels and len(layer_levels) >= 2:
                 evidence["slowest_layer_parts"] = _slowest_parts(rank, layer_levels)
@@ -191,52 +182,6 @@ def step_suspects(
     return suspects
 
 
-def cross_stage_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    layers: dict[int, dict[str, list[float]]],
-    min_slowdown: float,
-    min_z: float,
-    min_impact_us: float,
-) -> list[Suspect]:
-    """Ranks alone in their stage, compared with each other on transformer layer parts (the same work on every
-    stage: ``forward attention``, ``backward mlp``, ...), where the trace has layer spans."""
-    alone = [ranks[0] for ranks in peer_groups(traces).values() if len(ranks) == 1 and layers.get(ranks[0])]
-    if len(alone) < 2:
-        return []
-    samples: dict[int, dict[str, list[float]]] = {}
-    for rank in alone:
-        merged: dict[str, list[float]] = defaultdict(list)
-        for key, values in layers[rank].items():
-            direction, _layer, _number, *part = key.split(" ")
-            merged[f"{direction} {' '.join(part)}"] += values
-        samples[rank] = dict(merged)
-    floor = pooled_sigma(values for per_part in samples.values() for values in per_part.values())
-    suspects = []
-    for c in compare_with_peers({r: levels_of(samples[r], floor) for r in alone}):
-        if not flagged(c, min_slowdown, min_z):
-            continue
-        summary = per_rank[c.member]
-        compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
-        impact_us = compute_us * c.excess / (1 + c.excess)
-        if impact_us < min_impact_us:
-            continue
-        evidence = {
-            "rule": "layer parts across pipeline stages",
-            "median_ms": c.median / 1000,
-            "baseline_ms": c.baseline / 1000,
-            "z": round(c.z, 2),
-            "superiority": round(c.superiority, 3),
-            "samples": c.n,
-            "peers": len(alone) - 1,
-            "impact_ms": impact_us / 1000,
-            "step_ms": summary.step_ms,
-            "compute_ms": summary.compute_ms,
-        }
-        suspects.append(make_suspect(traces[c.member], "compute", c.excess, evidence))
-    return suspects
-
-
 def _collective_evidence(by_name: dict[str, Any]) -> dict[str, Any]:
     """Last-arrival numbers for the most telling group: tensor-parallel if the rank has one, else the group
     the rank shares with the fewest ranks (where being last points at the rank itself most directly)."""
@@ -262,6 +207,21 @@ def _slowest_parts(rank: int, levels: dict[int, dict[str, Level]], top: int = 3)
             if base > 0:
                 ratios.append({"op": key, "slowdown": level.median / base - 1.0, "ms": level.median / 1000})
     return sorted(ratios, key=lambda r: -r["slowdown"])[:top]
+
+
+def comparison_evidence(c: Comparison, peers: int, impact_us: float, summary: RankSummary) -> dict[str, Any]:
+    """The evidence of a compute suspect named on a ``compare_with_peers`` comparison."""
+    return {
+        "median_ms": c.median / 1000,
+        "baseline_ms": c.baseline / 1000,
+        "z": round(c.z, 2),
+        "superiority": round(c.superiority, 3),
+        "samples": c.n,
+        "peers": peers,
+        "impact_ms": impact_us / 1000,
+        "step_ms": summary.step_ms,
+        "compute_ms": summary.compute_ms,
+    }
 
 
 def make_suspect(
@@ -340,6 +300,9 @@ def attribute_host(
         if suspect.kind != "compute" or suspect.rank not in pacing or "busy_excess" in suspect.evidence:
             kept.append(suspect)  # busy time, where there is some, has decided already (attribute_busy)
             continue
+        if suspect.evidence.get("gpu_paced_only"):
+            kept.append(suspect)  # its rule measured only spans the GPU paced: the host did not make them longer
+            continue
         peer_ranks = [r for r in groups[suspect.pp] if r != suspect.rank and r in pacing]
         peers = [pacing[r] for r in peer_ranks]
         own = pacing[suspect.rank]
@@ -388,6 +351,7 @@ def _host_excess(traces: dict[int, RankTrace], rank: int, peers: list[int]) -> O
     return statistics.median(ratios) - 1.0 if ratios else None
 
 
+_HOST_AHEAD = 0.5  # queueing time under this share of the spans' time: the host was not what the GPU waited for
 _BUSY_MIN_STEPS = 3  # steps with busy time on the suspect and every peer, to compare per step (else per op)
 
 
@@ -404,8 +368,12 @@ def attribute_busy(
     own work took longer) or time in which the GPU idled between kernels (a host that queued the work late,
     launch gaps). The suspect's busy time is compared with the same baseline as the rule that named it (its
     stage's peers per step, or per op where fewer than 3 steps have busy time everywhere; the other lone stages
-    per layer part; its own earlier steps): ``busy_excess``. At least ``min_slowdown`` keeps it ``compute``.
-    Below that, its excess is idle GPU time: it becomes ``host`` where its host also took ``min_slowdown``
+    per layer part; its own earlier steps): ``busy_excess``; only if the same spans in those windows were slower
+    too (the span excess; else the windows missed the slowdown and the suspect is kept as named, with
+    ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``.
+    Below that, its excess is time the GPU did not run the rank's kernels. On layer parts across stages, where
+    the host queued the spans in under half their length (``queue_share``), the host was ahead: the GPU ran
+    another process's work between them, and it stays ``compute``. Otherwise it becomes ``host`` where its host also took ``min_slowdown``
     longer to queue the same work (``enqueue_us``, same baseline), and is dropped with a note otherwise (idle
     time that neither its kernels nor its host explain: a launch-bound job paced by one host, or waits on
     another stream). Suspects without busy time on both sides are left as they are (``attribute_host``)."""
@@ -416,8 +384,15 @@ def attribute_busy(
         if compared is None:
             kept.append(suspect)
             continue
-        busy_excess, host_excess, basis, own_us, base_us = compared
+        busy_excess, host_excess, basis = compared.busy_excess, compared.host_excess, compared.basis
+        own_us, base_us, span_excess = compared.own_us, compared.base_us, compared.span_excess
         evidence = suspect.evidence
+        if span_excess < min_slowdown:
+            # The windows that measured busy time did not catch the slowdown (bursts, or a slowdown that began
+            # later): their kernels cannot say what the other steps' excess was made of.
+            evidence.update(busy_window_span_excess=round(span_excess, 4), busy_baseline=basis)
+            kept.append(suspect)
+            continue
         evidence.update(
             busy_excess=round(busy_excess, 4),
             busy_ms=own_us / 1000,
@@ -430,6 +405,19 @@ def attribute_busy(
             continue
         if host_excess is not None:
             evidence["host_queue_excess"] = round(host_excess, 4)
+        share = compared.queue_share
+        if share is not None and share < _HOST_AHEAD:
+            # Its host had queued each span's work in a fraction of the span, so it was not late: the GPU ran
+            # other work between this rank's kernels (2x H200, a second process on the GPU: one layer part of
+            # the slow stage 2.7 ms, queued in 0.9 ms; where the time slices fell between kernels, not inside
+            # them, its busy time grew only 6%).
+            evidence["queue_share"] = round(share, 3)
+            evidence["why_compute"] = (
+                f"its host queued the work in {share:.0%} of the spans' length, yet its kernels took only "
+                f"{busy_excess:+.0%} against {basis}: its GPU ran other work between them (another process)"
+            )
+            kept.append(suspect)
+            continue
         if host_excess is not None and host_excess >= min_slowdown:
             suspect.kind = "host"
             evidence["why_host"] = (
@@ -447,50 +435,81 @@ def attribute_busy(
     return kept
 
 
+@dataclass
+class _BusyComparison:
+    """A suspect's busy time against the baseline of the rule that named it (``basis``)."""
+
+    busy_excess: float
+    host_excess: Optional[float]  # the host's queueing time, compared the same way
+    basis: str
+    own_us: float
+    base_us: float
+    span_excess: float  # the same spans' net lengths compared the same way: did the sampled windows catch it?
+    queue_share: Optional[float] = None  # own queueing time over own span time (GPU-paced layer parts)
+
+
 def _busy_comparison(
     suspect: Suspect, busy: dict[int, BusyTimes], groups: dict[int, list[int]]
-) -> Optional[tuple[float, Optional[float], str, float, float]]:
-    """``(busy excess, host queueing excess or None, what it was compared with, own busy µs, baseline µs)``
-    against the baseline of the rule that named the suspect; None without busy time on both sides."""
+) -> Optional[_BusyComparison]:
+    """The suspect's ``_BusyComparison``; None without busy time on both sides."""
     own = busy.get(suspect.rank)
     if own is None:
         return None
     rule = suspect.evidence.get("rule", "")
     if rule == "later steps against the rank's own earlier steps":
         (a, b), (c, d) = suspect.evidence["earlier_steps"], suspect.evidence["later_steps"]
-        before = [v for s, v in own.busy_per_step.items() if a <= s <= b]
-        after = [v for s, v in own.busy_per_step.items() if c <= s <= d]
+
+        def halves(per_step: dict[int, float]) -> tuple[list[float], list[float]]:
+            return [v for s, v in per_step.items() if a <= s <= b], [v for s, v in per_step.items() if c <= s <= d]
+
+        before, after = halves(own.busy_per_step)
         if min(len(before), len(after)) < _BUSY_MIN_STEPS:
             return None
-        queue_before = [v for s, v in own.enqueue_per_step.items() if a <= s <= b]
-        queue_after = [v for s, v in own.enqueue_per_step.items() if c <= s <= d]
+        queue_before, queue_after = halves(own.enqueue_per_step)
         host = None
         if queue_before and queue_after:
             host = statistics.median(queue_after) / statistics.median(queue_before) - 1.0
+        span_before, span_after = halves(own.span_per_step)
+        span = statistics.median(span_after) / statistics.median(span_before) - 1.0
         base, value = statistics.median(before), statistics.median(after)
-        return value / base - 1.0, host, "its own earlier steps", value, base
-    if rule == "layer parts across pipeline stages":
+        return _BusyComparison(value / base - 1.0, host, "its own earlier steps", value, base, span)
+    if suspect.evidence.get("across_stages"):
+        # A typical layer (the sum of the parts' medians), as the per-step rule compares: time slicing with
+        # another process stretched one part's kernels 3x and left the others alone (2x H200), which a median
+        # over the parts hides.
         alone = [r for ranks in groups.values() if len(ranks) == 1 for r in ranks if r != suspect.rank]
         others = [busy[r] for r in alone if r in busy and busy[r].busy_per_part]
         found = _key_excess(own.busy_per_part, [t.busy_per_part for t in others])
-        if found is None:
+        spans = _key_excess(own.span_per_part, [t.span_per_part for t in others])
+        if found is None or spans is None or found[2] <= 0 or spans[2] <= 0:
             return None
         host = _key_excess(own.enqueue_per_part, [t.enqueue_per_part for t in others])
-        return found[0], host[0] if host else None, "the other stages' same layer parts", found[1], found[2]
+        host_excess = host[1] / host[2] - 1.0 if host and host[2] > 0 else None
+        return _BusyComparison(
+            found[1] / found[2] - 1.0,
+            host_excess,
+            "the other stages' same layer parts",
+            found[1],
+            found[2],
+            spans[1] / spans[2] - 1.0,
+            host[1] / spans[1] if host and spans[1] > 0 else None,
+        )
     peers = [busy[r] for r in groups.get(suspect.pp, []) if r != suspect.rank and r in busy]
     if not peers:
         return None
     steps = sorted(set(own.busy_per_step).intersection(*(p.busy_per_step for p in peers)))
     if len(steps) >= _BUSY_MIN_STEPS:
         found = _step_excess(own.busy_per_step, [p.busy_per_step for p in peers], steps)
+        spans = _step_excess(own.span_per_step, [p.span_per_step for p in peers], steps)
         queued = [s for s in steps if s in own.enqueue_per_step and all(s in p.enqueue_per_step for p in peers)]
         host = _step_excess(own.enqueue_per_step, [p.enqueue_per_step for p in peers], queued) if queued else None
-        return found[0], host[0] if host else None, "its peers per step", found[1], found[2]
+        return _BusyComparison(found[0], host[0] if host else None, "its peers per step", found[1], found[2], spans[0])
     found = _key_excess(own.busy_per_key, [p.busy_per_key for p in peers])
-    if found is None:
+    spans = _key_excess(own.span_per_key, [p.span_per_key for p in peers])
+    if found is None or spans is None:
         return None
     host = _key_excess(own.enqueue_per_key, [p.enqueue_per_key for p in peers])
-    return found[0], host[0] if host else None, "its peers per op", found[1], found[2]
+    return _BusyComparison(found[0], host[0] if host else None, "its peers per op", found[1], found[2], spans[0])
 
 
 def _step_excess(own: dict[int, float], peers: list[dict[int, float]], steps: list[int]) -> tuple[float, float, float]:

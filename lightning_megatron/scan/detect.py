@@ -2,7 +2,7 @@
 
 The contract: a trace directory in, a ``DetectionReport`` out; this module holds the rules that decide what is
 slow (who is compared with whom, the thresholds, the lateness rule) and the CLI; the compute rules are in
-``scan.compute_rules``. ``scan.measure`` turns the
+``scan.compute_rules`` (peers) and ``scan.stage_rules`` (lone pipeline stages). ``scan.measure`` turns the
 rank files into measurements, ``scan.compare`` compares a member with its peers statistically, and
 ``scan.report`` holds (and prints, serialises, logs) the result.
 
@@ -18,7 +18,8 @@ the time its peers spend on the *same* work, after taking the waiting out:
   (direction, and whether both ends share a host: NVLink and network links are not peers). A span holding
   several ops (``send-forward-recv-backward``) can only stretch a transfer (a delayed send to Q also delays the
   receive from Q in it), so where every link of a class has enough transfers with both ends alone in their
-  spans, only those are compared. The sender is named, its receiver is ``peer``;
+  spans, only those are compared; a transfer whose span its host paced (posted late by a slow host) is left
+  out. The sender is named, its receiver is ``peer``;
 * **compute, per step**: the same net compute summed per step (steps with identical work: the same number of
   spans), each rank against each peer with Wilcoxon's signed-rank test over the steps (``compare``), then the
   10 %-trimmed mean excess over the healthy peers. Per-op medians cannot see a slowdown that hits fewer than
@@ -27,9 +28,10 @@ the time its peers spend on the *same* work, after taking the waiting out:
   of its peers (p < 0.01 over its peers, Bonferroni) by ``min_slowdown`` and ``min_impact``;
   ``evidence["peers_wait_ms"]`` says how much longer its peers waited in collectives and gradient sync per
   step (who waited for whom, without clocks);
-* **compute across stages**: where a stage has a single rank (pipeline parallelism alone) and the trace has
-  layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and backward) are
-  the same work on every stage: those ranks are compared on them;
+* **compute across stages** (``scan.stage_rules``): where a stage has a single rank (pipeline parallelism alone)
+  and the trace has layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and
+  backward) are the same work on every stage: those ranks are compared on them, per part and per step (a
+  typical layer), on the spans their GPU paced;
 * **compute against itself**: a rank's later steps against its own earlier ones (the analysed steps split in
   halves, a rank-sum test), for what no peer can show: a lone stage without layer spans, or every rank at once;
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
@@ -84,7 +86,6 @@ from lightning_megatron.scan.compute_rules import (
     attribute_busy,
     attribute_host,
     compute_suspects,
-    cross_stage_suspects,
     flagged,
     make_suspect,
     own_history_suspects,
@@ -102,6 +103,7 @@ from lightning_megatron.scan.measure import (
     data_waits,
     host_pacing,
     keep_finished_steps,
+    layer_parts_per_step,
     link_transfers,
     net_compute,
     read_traces,
@@ -109,6 +111,7 @@ from lightning_megatron.scan.measure import (
     summarize,
 )
 from lightning_megatron.scan.report import KINDS, DetectionReport, RankSummary, Suspect, log_to
+from lightning_megatron.scan.stage_rules import cross_stage_step_suspects, cross_stage_suspects
 
 # the report's names and three statistics helpers were defined here before measuring, comparing and reporting
 # became modules of their own; they stay importable from here
@@ -174,15 +177,19 @@ def detect(
     )
     totals = step_totals(traces)
     suspects = step_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
-    suspects += cross_stage_suspects(traces, per_rank, layer_samples, min_slowdown, min_z, min_impact_us)
+    parts_per_step = layer_parts_per_step(traces)
+    suspects += cross_stage_suspects(traces, per_rank, parts_per_step, min_slowdown, min_z, min_impact_us)
+    suspects += cross_stage_step_suspects(
+        traces, per_rank, parts_per_step, layer_samples, suspects, min_slowdown, min_impact_us
+    )
     suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
     suspects = attribute_busy(suspects, traces, busy_times(traces), min_slowdown, notes)
     suspects = attribute_host(suspects, host_pacing(traces), traces, min_slowdown, notes)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
-    suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us)
+    suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us, notes)
     suspects += _data_suspects(traces, per_rank, data_waits(traces), min_slowdown, min_z, min_impact_us)
     suspects += _data_suspects(traces, per_rank, data_waits(traces, "host"), min_slowdown, min_z, min_impact_us, "host")
-    suspects = _fold_host_gaps(suspects)
+    suspects = _fold_consequences(suspects)
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
 
     for note in notes:
@@ -198,22 +205,29 @@ def detect(
 
 
 _CONSEQUENCE_SHARE = 0.25
-"""A host-gap suspect costing less than this share of its rank's compute suspect is a consequence of it."""
+"""A host-gap or link suspect costing less than this share of its rank's compute suspect is a consequence of it."""
 
 
-def _fold_host_gaps(suspects: list[Suspect]) -> list[Suspect]:
-    """One rank, one cause: a slower GPU also lengthens the host's gaps between steps (they hold round trips to
-    the GPU, such as Lightning's per-step synchronisation), so a longer host gap on a rank already named
-    ``compute`` for several times as much per step is kept as that suspect's evidence (``host_gap_ms``), not
-    named as a second cause (seen on 2x H200 with another process competing for one GPU: +3.5 ms of host gap per
-    step beside +180 ms of compute, every such run)."""
+def _fold_consequences(suspects: list[Suspect]) -> list[Suspect]:
+    """One rank, one cause: a slower GPU also lengthens what runs on it or waits for it, so a lesser suspect on a
+    rank already named ``compute`` for several times as much per step (``_CONSEQUENCE_SHARE``) is kept as that
+    suspect's evidence, not named as a second cause:
+
+    * a longer host gap between steps (it holds round trips to the GPU, such as Lightning's per-step
+      synchronisation): ``host_gap_ms`` (2x H200, another process competing for one GPU: +3.5 ms of host gap
+      per step beside +180 ms of compute, every such run);
+    * a slower link from that rank (its communication kernels share the GPU too): ``link_ms`` and the link's
+      ``link_peer`` (2x H200 at PP2, the same fault: +4 to +6 ms of transfer beside +55 to +75 ms of compute)."""
     compute = {s.rank: s for s in suspects if s.kind == "compute"}
     kept = []
     for suspect in suspects:
         cause = compute.get(suspect.rank)
-        is_gap = suspect.kind == "host" and "late_ms" in suspect.evidence  # from the host-gap comparison
-        if is_gap and cause is not None and suspect.impact_ms < _CONSEQUENCE_SHARE * cause.impact_ms:
+        minor = cause is not None and suspect.impact_ms < _CONSEQUENCE_SHARE * cause.impact_ms
+        if minor and suspect.kind == "host" and "late_ms" in suspect.evidence:  # from the host-gap comparison
             cause.evidence["host_gap_ms"] = round(suspect.impact_ms, 3)
+            continue
+        if minor and suspect.kind == "link":
+            cause.evidence.update(link_ms=round(suspect.impact_ms, 3), link_peer=suspect.peer)
             continue
         kept.append(suspect)
     return kept
@@ -225,6 +239,7 @@ def _link_suspects(
     min_slowdown: float,
     min_z: float,
     min_impact_us: float,
+    notes: list[str],
 ) -> list[Suspect]:
     """Compare the links' transfer time per byte within a link class (direction, and whether both ends are on
     one host: NVLink and network links are not peers).
@@ -244,6 +259,19 @@ def _link_suspects(
         lone = [key for key, links in classes.items() if key[1] == same_host and len(links) < 2]
         if len(lone) == 2:
             classes[("both", same_host)] = [link for key in lone for link in classes.pop(key)]
+    # Transfers whose span measured a slow host, not the link (``measure.host_paced``), are left out; a class
+    # with a link left too few of them is not compared.
+    for key, links in list(classes.items()):
+        kept = {link: [t for t in transfers[link] if not t.host_paced] for link in links}
+        if any(len(kept[link]) < _MIN_CLEAN for link in links):
+            if any(t.host_paced for link in links for t in transfers[link]):
+                notes.append(
+                    f"{key[0]} links: fewer than {_MIN_CLEAN} transfers of a link were not paced by their host; "
+                    "links not compared"
+                )
+            del classes[key]
+            continue
+        transfers = {**transfers, **kept}
     chosen: dict[Link, list[Transfer]] = {}
     for links in classes.values():
         clean = all(sum(t.clean for t in transfers[link]) >= _MIN_CLEAN for link in links)

@@ -61,7 +61,9 @@ __all__ = [
     "clock_sigma",
     "collective_arrivals",
     "data_waits",
+    "host_paced",
     "host_pacing",
+    "layer_parts_per_step",
     "keep_finished_steps",
     "merge_intervals",
     "link_transfers",
@@ -285,6 +287,23 @@ def net_compute(
     return compute, layers
 
 
+def layer_parts_per_step(traces: dict[int, RankTrace]) -> dict[int, dict[int, dict[str, list[float]]]]:
+    """Per rank with layer spans, per step, per layer part (``backward mlp``: merged over the rank's layers):
+    the net times (µs) of the spans its GPU, not its host, paced (``host_paced``). A host-paced span lasts as
+    long as its host took to queue it, which on a launch-bound forward is most of it: it measures the host."""
+    found: dict[int, dict[int, dict[str, list[float]]]] = {}
+    for rank, trace in traces.items():
+        per_step: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for s, net in _net_compute_spans(trace):
+            args = s.get("args") or {}
+            if s["cat"] != "compute.layer" or "step" not in args or host_paced(args, s["dur"]):
+                continue
+            per_step[int(args["step"])][f"{args.get('direction', '?')} {args.get('part', s['name'])}"].append(net)
+        if per_step:
+            found[rank] = {step: dict(parts) for step, parts in per_step.items()}
+    return found
+
+
 @dataclass
 class StepTotal:
     """One rank's step, summed: net compute (µs) and how many compute spans it holds, and its waits (µs)."""
@@ -333,11 +352,23 @@ def host_pacing(traces: dict[int, RankTrace]) -> dict[int, float]:
     return pacing
 
 
+def host_paced(args: dict[str, Any], dur: float) -> bool:
+    """Whether a GPU span measured its host rather than its GPU work: its GPU reached it as soon as it was
+    queued (``queued_us`` under 30 µs) and the host then took at least half the span to queue what it holds
+    (``enqueue_us``). A p2p span on a slow host is long because its op was posted late, not because the link was
+    slow; a delayed link keeps the GPU in the op long after the host moved on. False without queue fields."""
+    queued, enqueue = args.get("queued_us"), args.get("enqueue_us")
+    if queued is None or enqueue is None:
+        return False
+    return float(queued) < _STARVED_US and float(enqueue) >= 0.5 * dur
+
+
 @dataclass
 class BusyTimes:
     """One rank's GPU busy time (µs) and host queueing time (µs, ``enqueue_us``): per step on the spans net compute
     sums (compute spans, or layer spans where it has none); per op (``forward chunk 0``); per layer part merged
-    over layers (``forward attention``: the same work on every pipeline stage)."""
+    over layers (``forward attention``: the same work on every pipeline stage; GPU-paced spans only, as
+    ``layer_parts_per_step``). ``span_*``: the same spans' net lengths."""
 
     busy_per_step: dict[int, float] = field(default_factory=dict)
     enqueue_per_step: dict[int, float] = field(default_factory=dict)
@@ -345,6 +376,10 @@ class BusyTimes:
     enqueue_per_key: dict[str, list[float]] = field(default_factory=dict)
     busy_per_part: dict[str, list[float]] = field(default_factory=dict)
     enqueue_per_part: dict[str, list[float]] = field(default_factory=dict)
+    # the same spans' lengths: whether the sampled windows caught the slowdown a rule found over all steps
+    span_per_step: dict[int, float] = field(default_factory=dict)
+    span_per_key: dict[str, list[float]] = field(default_factory=dict)
+    span_per_part: dict[str, list[float]] = field(default_factory=dict)
 
 
 def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
@@ -355,10 +390,12 @@ def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
         summed = "compute" if any(s["cat"] == "compute" for s in trace.spans) else "compute.layer"
         times = BusyTimes()
         partial: set[int] = set()
-        lists: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in ("bk", "ek", "bp", "ep")}
-        for s in trace.spans:
+        lists: dict[str, dict[str, list[float]]] = {
+            name: defaultdict(list) for name in ("bk", "ek", "sk", "bp", "ep", "sp")
+        }
+        for s, net in _net_compute_spans(trace):
             step = _step_of(s)
-            if s["cat"] not in ("compute", "compute.layer") or step is None:
+            if step is None:
                 continue
             args = s.get("args") or {}
             if "busy_us" not in args:
@@ -367,21 +404,28 @@ def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
             busy, enqueue = float(args["busy_us"]), args.get("enqueue_us")
             if s["cat"] == "compute":
                 key, kind = f"{s['name']} chunk {args.get('chunk', 0)}", "k"
+            elif host_paced(args, s["dur"]):
+                key, kind = "", ""  # layer parts: as layer_parts_per_step, only the spans the GPU paced
             else:
                 key, kind = f"{args.get('direction', '?')} {args.get('part', s['name'])}", "p"
-            lists["b" + kind][key].append(busy)
-            if enqueue is not None:
-                lists["e" + kind][key].append(float(enqueue))
+            if kind:
+                lists["b" + kind][key].append(busy)
+                lists["s" + kind][key].append(net)
+                if enqueue is not None:
+                    lists["e" + kind][key].append(float(enqueue))
             if s["cat"] == summed:
                 times.busy_per_step[step] = times.busy_per_step.get(step, 0.0) + busy
+                times.span_per_step[step] = times.span_per_step.get(step, 0.0) + net
                 if enqueue is not None:
                     times.enqueue_per_step[step] = times.enqueue_per_step.get(step, 0.0) + float(enqueue)
         for step in partial:
             times.busy_per_step.pop(step, None)
             times.enqueue_per_step.pop(step, None)
+            times.span_per_step.pop(step, None)
         if lists["bk"] or lists["bp"]:
             times.busy_per_key, times.enqueue_per_key = dict(lists["bk"]), dict(lists["ek"])
             times.busy_per_part, times.enqueue_per_part = dict(lists["bp"]), dict(lists["ep"])
+            times.span_per_key, times.span_per_part = dict(lists["sk"]), dict(lists["sp"])
             found[rank] = times
     return found
 
@@ -463,6 +507,7 @@ class Transfer:
     step: int
     cross_clock: bool  # rests on the alignment of two ranks' clocks
     clean: bool  # both ends alone in their spans: nothing else in either span can have delayed it
+    host_paced: bool = False  # an end's span lasted as long as its host took to queue it (see host_paced)
 
 
 def link_transfers(traces: dict[int, RankTrace], notes: list[str]) -> dict[Link, list[Transfer]]:
@@ -470,8 +515,8 @@ def link_transfers(traces: dict[int, RankTrace], notes: list[str]) -> dict[Link,
     transfer (``transfer_us``), per ordered link. Sends without a matching receive (a missing or cut trace on
     the other side) are noted."""
     Key = tuple[int, int, str, int, int]  # (src, dst, direction, step, seq)
-    sends: dict[Key, tuple[float, float, bool, float]] = {}
-    recvs: dict[Key, tuple[float, float, bool, float]] = {}
+    sends: dict[Key, tuple[float, float, bool, float, bool]] = {}
+    recvs: dict[Key, tuple[float, float, bool, float, bool]] = {}
     for rank, trace in traces.items():
         for s in trace.spans:
             if s["cat"] != "p2p":
@@ -480,26 +525,29 @@ def link_transfers(traces: dict[int, RankTrace], notes: list[str]) -> dict[Link,
             step = int(args.get("step", -1))
             start, end = s["ts"] + trace.offset_us, s["ts"] + s["dur"] + trace.offset_us
             send_ops, recv_ops = args.get("sends") or [], args.get("recvs") or []
+            paced = host_paced(args, s["dur"])
             for op in send_ops:
                 key = (rank, int(op["peer"]), str(op.get("direction", "?")), step, int(op.get("seq", 0)))
-                sends[key] = (start, end, len(send_ops) == 1 and not recv_ops, float(op.get("bytes", 0) or 0))
+                sends[key] = (start, end, len(send_ops) == 1 and not recv_ops, float(op.get("bytes", 0) or 0), paced)
             for op in recv_ops:
                 key = (int(op["peer"]), rank, str(op.get("direction", "?")), step, int(op.get("seq", 0)))
-                recvs[key] = (start, end, len(recv_ops) == 1 and not send_ops, float(op.get("bytes", 0) or 0))
+                recvs[key] = (start, end, len(recv_ops) == 1 and not send_ops, float(op.get("bytes", 0) or 0), paced)
     transfers: dict[Link, list[Transfer]] = defaultdict(list)
     unmatched = 0
-    for key, (send_start, send_end, send_alone, send_bytes) in sends.items():
+    for key, (send_start, send_end, send_alone, send_bytes, send_paced) in sends.items():
         src, dst, direction, step, _seq = key
         recv = recvs.get(key)
         if recv is None or src not in traces or dst not in traces:
             unmatched += 1
             continue
-        recv_start, recv_end, recv_alone, recv_bytes = recv
+        recv_start, recv_end, recv_alone, recv_bytes, recv_paced = recv
         margin = clock_sigma(traces[src], traces[dst])
         us, cross = transfer_us((send_start, send_end, send_alone), (recv_start, recv_end), margin)
         if us is not None:
             size = max(send_bytes, recv_bytes, 1.0)
-            transfers[(src, dst, direction)].append(Transfer(us, size, step, cross, send_alone and recv_alone))
+            transfers[(src, dst, direction)].append(
+                Transfer(us, size, step, cross, send_alone and recv_alone, send_paced or recv_paced)
+            )
     if unmatched:
         notes.append(f"{unmatched} of {len(sends)} p2p sends without a matching receive (missing or cut traces)")
     return dict(transfers)

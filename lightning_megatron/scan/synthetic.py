@@ -119,6 +119,7 @@ class _Simulation:
         self.slow_fraction = 1.0
         self.layers_per_stage = 0
         self.queue: Optional[dict[int, bool]] = None  # GPU queue fields per rank: True = host-paced
+        self.sleeping_hosts: set[int] = set()  # idle_gaps: hosts that launch late inside spans (GPU still behind)
         self.queue_rng = random.Random(4099)  # its own stream: the other draws stay those of traces without it
         self.now: list[float] = [START_US] * world  # true time at which each rank is free
         self.idle: Optional[list[float]] = None  # gpu_busy: per rank, the part of its slowdown that is idle GPU time
@@ -195,7 +196,9 @@ class _Simulation:
         rng = self.queue_rng
         if self.queue[rank]:
             return {**args, "queued_us": round(rng.uniform(0.0, 10.0), 1), "enqueue_us": round(duration * 0.97, 1)}
-        return {**args, "queued_us": round(rng.uniform(500.0, 3000.0), 1), "enqueue_us": round(duration * 0.2, 1)}
+        # a host that sleeps between launches inside the span (idle gaps) takes about the span to queue it
+        share = 0.9 if rank in self.sleeping_hosts else 0.2
+        return {**args, "queued_us": round(rng.uniform(500.0, 3000.0), 1), "enqueue_us": round(duration * share, 1)}
 
     def layer_spans(self, rank: int, stage: int, direction: str, start: float, end: float, step: int) -> None:
         """``layers_per_stage`` > 0: the span's time in equal attention and MLP parts of the stage's layers (in
@@ -389,6 +392,7 @@ def generate_traces(
     sim = _Simulation(world, raw, factors, slow_links, rng, jitter, forward_us)
     if gpu_queue or host_paced:
         sim.queue = {r: r in host_paced for r in range(world)}
+        sim.sleeping_hosts = set(idle_gaps)
     if gpu_busy:
         sim.idle = idle
     sim.slow_fraction, sim.layers_per_stage = slow_fraction, layers_per_stage

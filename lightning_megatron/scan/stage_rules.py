@@ -1,0 +1,179 @@
+"""The rules of ``scan.detect`` for ranks alone in their pipeline stage (pipeline parallelism without data- or
+tensor-parallel peers): such a rank has nobody doing its own work, but every stage runs transformer layers, and
+one layer's attention or MLP is the same work on every stage.
+
+The contract: layer measurements in (``scan.measure``: net times of ``granularity="layer"`` spans), compute
+suspects out, with the statistics of ``scan.compare``. Two rules, like the peer rules of ``compute_rules``:
+
+* **per part** (``cross_stage_suspects``): per layer part (``forward attention``, ``backward mlp``, ...), each
+  rank's samples against the other stages', flagged by excess, z and superiority. It sees a stage whose every
+  layer is slower, also in traces too short for the per-step rule;
+* **per step** (``cross_stage_step_suspects``): per step, the medians of the layer parts summed (a typical
+  layer's forward and backward), each rank against the lower half of the others with Wilcoxon's signed-rank test
+  over steps. Another process time-slicing a GPU does not slow every part: on 2x H200 it made one part of a
+  stage's layers (a different one each run) about 3x slower and left the others as they were, which no
+  per-part median reveals and this sum does.
+
+Both use only the spans the GPU paced (``measure.host_paced``): a launch-bound forward lasts as long as its
+host takes to queue it, and host noise (a slow loader's process, CPU contention) would pass for a slow stage.
+Their suspects therefore stay ``compute`` (``gpu_paced_only``: ``attribute_host`` leaves them).
+
+Ranks are compared only with other lone stages; stages carry different extra work (the embedding, the output
+layer and loss), which is why whole-stage compute is not compared.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from lightning_megatron.scan.compare import (
+    compare_with_peers,
+    levels_of,
+    lower_half_median,
+    pooled_sigma,
+    signed_rank_p,
+    trimmed_mean,
+)
+from lightning_megatron.scan.compute_rules import (
+    MIN_STEPS,
+    comparison_evidence,
+    flagged,
+    make_suspect,
+    peer_groups,
+)
+from lightning_megatron.scan.measure import RankTrace
+from lightning_megatron.scan.report import RankSummary, Suspect
+
+__all__ = ["cross_stage_suspects", "cross_stage_step_suspects"]
+
+_STEP_ALPHA = 0.01  # as the peer rules: one rank against the other lone stages
+_STEP_ALPHA_LARGE = 0.05  # ... for an excess of at least twice min_slowdown (bursts that spare a few steps)
+# Another stage is a weaker baseline than a peer: its layers run beside other work (the embedding, the output
+# layer), with other neighbours. In clean fits on 2x H200 one stage's typical layer was up to 12% slower than the
+# other's (a few % in most), so these rules ask for twice ``min_slowdown``.
+_STAGE_MARGIN = 2.0
+_MIN_PARTS = 2  # layer parts with GPU-paced samples on every compared rank, for a step to count
+_MIN_STEPS = MIN_STEPS // 2  # steps with such parts (the forward of a launch-bound job is mostly host-paced)
+
+
+def lone_stages(traces: dict[int, RankTrace], layered: dict[int, Any]) -> list[int]:
+    """The ranks alone in their pipeline stage that have layer measurements."""
+    return [ranks[0] for ranks in peer_groups(traces).values() if len(ranks) == 1 and layered.get(ranks[0])]
+
+
+def cross_stage_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    parts_per_step: dict[int, dict[int, dict[str, list[float]]]],
+    min_slowdown: float,
+    min_z: float,
+    min_impact_us: float,
+) -> list[Suspect]:
+    """The per-part rule (module docstring), on ``measure.layer_parts_per_step`` (merged over steps)."""
+    alone = lone_stages(traces, parts_per_step)
+    if len(alone) < 2:
+        return []
+    samples: dict[int, dict[str, list[float]]] = {}
+    for rank in alone:
+        merged: dict[str, list[float]] = defaultdict(list)
+        for parts in parts_per_step[rank].values():
+            for part, values in parts.items():
+                merged[part] += values
+        samples[rank] = dict(merged)
+    floor = pooled_sigma(values for per_part in samples.values() for values in per_part.values())
+    suspects = []
+    for c in compare_with_peers({r: levels_of(samples[r], floor) for r in alone}):
+        if not flagged(c, _STAGE_MARGIN * min_slowdown, min_z):
+            continue
+        summary = per_rank[c.member]
+        compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
+        impact_us = compute_us * c.excess / (1 + c.excess)
+        if impact_us < min_impact_us:
+            continue
+        evidence = {
+            "rule": "layer parts across pipeline stages",
+            **comparison_evidence(c, len(alone) - 1, impact_us, summary),
+            "gpu_paced_only": True,
+            "across_stages": True,
+        }
+        suspects.append(make_suspect(traces[c.member], "compute", c.excess, evidence))
+    return suspects
+
+
+def cross_stage_step_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    parts_per_step: dict[int, dict[int, dict[str, list[float]]]],
+    layers: dict[int, dict[str, list[float]]],
+    suspects: list[Suspect],
+    min_slowdown: float,
+    min_impact_us: float,
+) -> list[Suspect]:
+    """The per-step rule (module docstring) on ``measure.layer_parts_per_step``; the time it costs is the excess
+    share of the rank's layer spans per step (``layers``: ``measure.net_compute``'s layer samples). Adds its evidence to a compute
+    suspect already named (``evidence["per_step_layers"]``) or names a new one; returns the new suspects."""
+    alone = lone_stages(traces, parts_per_step)
+    if len(alone) < 2:
+        return []
+    typical = _typical_layer_per_step(alone, parts_per_step)
+    steps = sorted(typical)
+    if len(steps) < _MIN_STEPS:
+        return []
+    by_rank = {s.rank: s for s in suspects if s.kind == "compute"}
+    found = []
+    for rank in alone:
+        others = [q for q in alone if q != rank]
+        own = [typical[s][rank] for s in steps]
+        baseline = [lower_half_median([typical[s][q] for q in others]) for s in steps]
+        excess = trimmed_mean([a / b - 1.0 for a, b in zip(own, baseline)])
+        if excess < _STAGE_MARGIN * min_slowdown:
+            continue
+        alpha = _STEP_ALPHA_LARGE if excess >= 2 * _STAGE_MARGIN * min_slowdown else _STEP_ALPHA
+        p_value = signed_rank_p([math.log(a / b) for a, b in zip(own, baseline)])
+        if p_value >= alpha:
+            continue
+        layer_us = sum(map(sum, layers.get(rank, {}).values())) / max(per_rank[rank].steps, 1)  # per step
+        impact_us = layer_us * excess / (1 + excess)
+        if impact_us < min_impact_us:
+            continue
+        evidence: dict[str, Any] = {
+            "rule": "typical layer per step across pipeline stages, signed-rank test over steps",
+            "steps": len(steps),
+            "p_value": p_value,
+            "alpha": alpha,
+            "slower_steps_fraction": sum(a > b for a, b in zip(own, baseline)) / len(steps),
+            "typical_layer_ms": statistics.median(own) / 1000,
+            "baseline_layer_ms": statistics.median(baseline) / 1000,
+            "mean_excess": round(excess, 4),
+            "impact_ms": impact_us / 1000,
+            "peers": len(others),
+            "gpu_paced_only": True,  # host-paced spans left out: attribute_host has nothing to add
+            "across_stages": True,  # attribute_busy compares a typical layer's busy time across stages
+        }
+        known = by_rank.get(rank)
+        if known is not None:
+            known.evidence["per_step_layers"] = evidence
+            continue
+        evidence.update(step_ms=per_rank[rank].step_ms, compute_ms=per_rank[rank].compute_ms)
+        found.append(make_suspect(traces[rank], "compute", excess, evidence))
+    return found
+
+
+def _typical_layer_per_step(
+    ranks: list[int], parts_per_step: dict[int, dict[int, dict[str, list[float]]]]
+) -> dict[int, dict[int, float]]:
+    """Per step where every rank has at least ``_MIN_PARTS`` parts in common: per rank, the sum over those parts
+    of the part's median (µs)."""
+    common_steps = set.intersection(*(set(parts_per_step[r]) for r in ranks))
+    typical: dict[int, dict[int, float]] = {}
+    for step in common_steps:
+        parts = set.intersection(*(set(parts_per_step[r][step]) for r in ranks))
+        if len(parts) < _MIN_PARTS:
+            continue
+        sums = {r: sum(statistics.median(parts_per_step[r][step][p]) for p in parts) for r in ranks}
+        if all(v > 0 for v in sums.values()):
+            typical[step] = sums
+    return typical
