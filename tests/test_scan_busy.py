@@ -27,7 +27,8 @@ from lightning_megatron.scan.busy import (
 )
 from lightning_megatron.scan.detect import DetectionReport, detect
 from lightning_megatron.scan.format import list_rank_files, read_rank_file
-from lightning_megatron.scan.measure import busy_times, read_traces
+from lightning_megatron.scan.gpu_measure import busy_times
+from lightning_megatron.scan.measure import read_traces
 from lightning_megatron.scan.synthetic import generate_traces
 
 

@@ -340,10 +340,11 @@ def test_module_boundaries() -> None:
     (``detect``) use measuring, comparing and reporting; measuring reads ``format`` and fills ``report``'s
     per-rank summaries; comparing and reporting import nothing."""
     expected = {
-        "detect": {"compare", "compute_rules", "measure", "report", "stage_rules"},
-        "compute_rules": {"compare", "measure", "report"},
+        "detect": {"compare", "compute_rules", "gpu_measure", "measure", "report", "stage_rules"},
+        "compute_rules": {"compare", "gpu_measure", "measure", "report"},
         "stage_rules": {"compare", "compute_rules", "measure", "report"},
         "measure": {"format", "report"},
+        "gpu_measure": {"measure"},
         "compare": set(),
         "report": set(),
     }

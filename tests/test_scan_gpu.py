@@ -36,7 +36,8 @@ def test_gpu_spans_carry_enqueue_and_queue_times(tmp_path: Path) -> None:
     from lightning_megatron.models import GPTModule
     from lightning_megatron.scan import MegaScan
     from lightning_megatron.scan.format import list_rank_files, read_rank_file
-    from lightning_megatron.scan.measure import host_pacing, read_traces
+    from lightning_megatron.scan.gpu_measure import host_pacing
+    from lightning_megatron.scan.measure import read_traces
 
     shape = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=32000)
     scan = MegaScan(tmp_path / "trace", interval=1, window=1, detect=False)

@@ -40,7 +40,8 @@ from lightning_megatron.scan.compare import (
     signed_rank_p,
     trimmed_mean,
 )
-from lightning_megatron.scan.measure import BusyTimes, RankTrace, StepTotal
+from lightning_megatron.scan.gpu_measure import BusyTimes
+from lightning_megatron.scan.measure import RankTrace, StepTotal
 from lightning_megatron.scan.report import RankSummary, Suspect
 
 __all__ = [
@@ -370,13 +371,14 @@ def attribute_busy(
     stage's peers per step, or per op where fewer than 3 steps have busy time everywhere; the other lone stages
     per layer part; its own earlier steps): ``busy_excess``; only if the same spans in those windows were slower
     too (the span excess; else the windows missed the slowdown and the suspect is kept as named, with
-    ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``.
-    Below that, its excess is time the GPU did not run the rank's kernels. On layer parts across stages, where
-    the host queued the spans in under half their length (``queue_share``), the host was ahead: the GPU ran
-    another process's work between them, and it stays ``compute``. Otherwise it becomes ``host`` where its host also took ``min_slowdown``
-    longer to queue the same work (``enqueue_us``, same baseline), and is dropped with a note otherwise (idle
-    time that neither its kernels nor its host explain: a launch-bound job paced by one host, or waits on
-    another stream). Suspects without busy time on both sides are left as they are (``attribute_host``)."""
+    ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``. Below that,
+    its excess is time the GPU did not run the rank's kernels. On layer parts across stages, where the host
+    queued the spans in under half their length (``queue_share``), the host was ahead: the GPU ran another
+    process's work between them, and it stays ``compute``. Otherwise it becomes ``host`` where its host also
+    took ``min_slowdown`` longer to queue the same work (``enqueue_us``, same baseline), and is dropped with a
+    note otherwise (idle time that neither its kernels nor its host explain: a launch-bound job paced by one
+    host, or waits on another stream). Suspects without busy time on both sides are left as they are
+    (``attribute_host``)."""
     groups = peer_groups(traces)
     kept = []
     for suspect in suspects:

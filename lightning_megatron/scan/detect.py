@@ -92,16 +92,15 @@ from lightning_megatron.scan.compute_rules import (
     peer_groups,
     step_suspects,
 )
+from lightning_megatron.scan.gpu_measure import busy_times, host_pacing
 from lightning_megatron.scan.measure import (
     DataWaits,
     Link,
     RankTrace,
     Transfer,
-    busy_times,
     clock_sigma,
     collective_arrivals,
     data_waits,
-    host_pacing,
     keep_finished_steps,
     layer_parts_per_step,
     link_transfers,

@@ -30,11 +30,9 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   many compute spans it summed (identical work has identical counts), and the time the rank spent waiting for
   others (the union of its blocking communication and ``grad-sync`` spans): the per-step sums that a slowdown of
   part of the spans still moves, and who waited for whom without any clock alignment;
-* **host pacing** (``host_pacing``): on GPUs, the fraction of a rank's compute spans that its GPU started as soon as
-  the host queued them: a slow host, not a slow GPU;
-* **GPU busy time** (``busy_times``): on GPUs with ``gpu_busy``, the kernel time inside the spans that net compute
-  sums (``args.busy_us``, ``scan.busy``) and the host's time to queue them (``enqueue_us``), per step (steps whose
-  every such span has it) and per op or layer part: what ``compute_rules.attribute_busy`` compares;
+* **host-paced spans** (``host_paced``): on GPUs, a span its GPU reached as soon as it was queued and its host
+  took most of to queue lasted as long as the host took: transfers and layer parts leave such spans out (what
+  the GPU recorder's queue and busy fields say per rank is in ``scan.gpu_measure``);
 * ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
 """
 
@@ -61,18 +59,18 @@ __all__ = [
     "clock_sigma",
     "collective_arrivals",
     "data_waits",
+    "STARVED_US",
     "host_paced",
-    "host_pacing",
     "layer_parts_per_step",
     "keep_finished_steps",
     "merge_intervals",
     "link_transfers",
     "net_compute",
+    "net_compute_spans",
+    "step_of",
     "read_traces",
     "StepTotal",
     "step_totals",
-    "BusyTimes",
-    "busy_times",
     "summarize",
     "transfer_us",
 ]
@@ -137,7 +135,7 @@ def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:
     for event in read_rank_file(path):
         phase = event.get("ph")
         if phase == "X" and "cat" in event:
-            if since_step is None or (_step_of(event) or 0) >= since_step:
+            if since_step is None or (step_of(event) or 0) >= since_step:
                 trace.spans.append(event)
         elif phase == "M":
             args = event.get("args") or {}
@@ -162,7 +160,7 @@ def keep_finished_steps(traces: dict[int, RankTrace], skip_steps: int, notes: li
     (over all ranks, sorted)."""
     steps = _select_steps(traces, skip_steps, notes)
     for trace in traces.values():
-        trace.spans = [s for s in trace.spans if _step_of(s) in steps.get(trace.rank, set())]
+        trace.spans = [s for s in trace.spans if step_of(s) in steps.get(trace.rank, set())]
     all_steps = sorted(set().union(*steps.values())) if steps else []
     if not all_steps:
         notes.append("no finished step with spans to analyse")
@@ -173,18 +171,18 @@ def _select_steps(traces: dict[int, RankTrace], skip_steps: int, notes: list[str
     """Per rank, the steps to analyse: those the rank finished (its ``step`` span was written, so every span
     inside the step was written too; a truncated file's last step is partial), less the first ``skip_steps``
     and the profiled ones."""
-    every = sorted({step for t in traces.values() for s in t.spans if (step := _step_of(s)) is not None})
+    every = sorted({step for t in traces.values() for s in t.spans if (step := step_of(s)) is not None})
     skipped = set(every[:skip_steps])
     # steps run under torch.profiler (MegaScan's profile_steps) are slower by the profiler's cost, which is
     # not the same on every rank: no evidence about the ranks themselves
-    profiled = {_step_of(s) for t in traces.values() for s in t.spans if s["cat"] == "step" and _profiled(s)}
+    profiled = {step_of(s) for t in traces.values() for s in t.spans if s["cat"] == "step" and _profiled(s)}
     if profiled:
         notes.append(f"profiled step(s) {sorted(profiled)} left out (torch.profiler slows them)")
         skipped |= profiled
     selected: dict[int, set[int]] = {}
     for rank, trace in traces.items():
-        finished = {_step_of(s) for s in trace.spans if s["cat"] == "step"} - {None}
-        seen = {_step_of(s) for s in trace.spans} - {None}
+        finished = {step_of(s) for s in trace.spans if s["cat"] == "step"} - {None}
+        seen = {step_of(s) for s in trace.spans} - {None}
         use = finished if finished else seen
         if finished and seen - finished and max(seen) > max(finished):
             notes.append(f"rank {rank}: step(s) {sorted(seen - finished)} unfinished in its trace, left out")
@@ -196,7 +194,7 @@ def _profiled(event: dict[str, Any]) -> bool:
     return bool((event.get("args") or {}).get("profiled"))
 
 
-def _step_of(event: dict[str, Any]) -> Optional[int]:
+def step_of(event: dict[str, Any]) -> Optional[int]:
     step = (event.get("args") or {}).get("step")
     return None if step is None else int(step)
 
@@ -234,10 +232,10 @@ def summarize(trace: RankTrace) -> RankSummary:
     data_per_step: dict[int, float] = defaultdict(float)
     for s in trace.spans:
         if s["cat"] == "data":
-            data_per_step[_step_of(s)] += s["dur"]  # type: ignore[index]
+            data_per_step[step_of(s)] += s["dur"]  # type: ignore[index]
     return RankSummary(
         **trace.coordinates,
-        steps=len({_step_of(s) for s in trace.spans}),
+        steps=len({step_of(s) for s in trace.spans}),
         step_ms=statistics.median(step_durs) / 1000 if step_durs else None,
         data_ms=statistics.median(data_per_step.values()) / 1000 if data_per_step else None,
     )
@@ -251,7 +249,7 @@ def _blocking(span: dict[str, Any]) -> bool:
     return cat in ("p2p", "data", "collective.wait")  # collective.wait: blocked in an async collective's wait()
 
 
-def _net_compute_spans(trace: RankTrace) -> Iterable[tuple[dict[str, Any], float]]:
+def net_compute_spans(trace: RankTrace) -> Iterable[tuple[dict[str, Any], float]]:
     """Each compute or layer span of the rank with its net time (µs): its length less its own waits inside."""
     waits = merge_intervals((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if _blocking(s))
     for s in trace.spans:
@@ -270,7 +268,7 @@ def net_compute(
         by_layer: dict[str, list[float]] = defaultdict(list)
         op_per_step: dict[int, float] = defaultdict(float)
         layer_per_step: dict[int, float] = defaultdict(float)
-        for s, net in _net_compute_spans(trace):
+        for s, net in net_compute_spans(trace):
             args = s.get("args") or {}
             if s["cat"] == "compute":
                 by_op[f"{s['name']} chunk {args.get('chunk', 0)}"].append(net)
@@ -294,7 +292,7 @@ def layer_parts_per_step(traces: dict[int, RankTrace]) -> dict[int, dict[int, di
     found: dict[int, dict[int, dict[str, list[float]]]] = {}
     for rank, trace in traces.items():
         per_step: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        for s, net in _net_compute_spans(trace):
+        for s, net in net_compute_spans(trace):
             args = s.get("args") or {}
             if s["cat"] != "compute.layer" or "step" not in args or host_paced(args, s["dur"]):
                 continue
@@ -320,14 +318,14 @@ def step_totals(traces: dict[int, RankTrace]) -> dict[int, dict[int, StepTotal]]
     for rank, trace in traces.items():
         has_ops = any(s["cat"] == "compute" for s in trace.spans)
         per_step: dict[int, StepTotal] = defaultdict(StepTotal)
-        for s, net in _net_compute_spans(trace):
-            if (s["cat"] == "compute") == has_ops and (step := _step_of(s)) is not None:
+        for s, net in net_compute_spans(trace):
+            if (s["cat"] == "compute") == has_ops and (step := step_of(s)) is not None:
                 per_step[step].compute_us += net
                 per_step[step].spans += 1
         by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
         for s in trace.spans:
             if (_blocking(s) and s["cat"] != "data") or s["cat"] == "grad_sync":
-                if (step := _step_of(s)) is not None:
+                if (step := step_of(s)) is not None:
                     by_step[step].append((s["ts"], s["ts"] + s["dur"]))
         for step, intervals in by_step.items():
             starts, ends = merge_intervals(intervals)
@@ -336,20 +334,7 @@ def step_totals(traces: dict[int, RankTrace]) -> dict[int, dict[int, StepTotal]]
     return totals
 
 
-_STARVED_US = 30.0  # a GPU that reaches a span within this long after the host queued it was waiting for the host
-
-
-def host_pacing(traces: dict[int, RankTrace]) -> dict[int, float]:
-    """Per rank with the GPU recorder's queue fields: the fraction of its compute spans that its GPU reached as soon
-    as the host queued them (``queued_us`` under 30 µs), i.e. that the host, not the GPU, paced."""
-    pacing = {}
-    for rank, trace in traces.items():
-        queued = [
-            s["args"]["queued_us"] for s in trace.spans if s["cat"] == "compute" and "queued_us" in s.get("args", {})
-        ]
-        if queued:
-            pacing[rank] = sum(q < _STARVED_US for q in queued) / len(queued)
-    return pacing
+STARVED_US = 30.0  # a GPU that reaches a span within this long after the host queued it was waiting for the host
 
 
 def host_paced(args: dict[str, Any], dur: float) -> bool:
@@ -360,74 +345,7 @@ def host_paced(args: dict[str, Any], dur: float) -> bool:
     queued, enqueue = args.get("queued_us"), args.get("enqueue_us")
     if queued is None or enqueue is None:
         return False
-    return float(queued) < _STARVED_US and float(enqueue) >= 0.5 * dur
-
-
-@dataclass
-class BusyTimes:
-    """One rank's GPU busy time (µs) and host queueing time (µs, ``enqueue_us``): per step on the spans net compute
-    sums (compute spans, or layer spans where it has none); per op (``forward chunk 0``); per layer part merged
-    over layers (``forward attention``: the same work on every pipeline stage; GPU-paced spans only, as
-    ``layer_parts_per_step``). ``span_*``: the same spans' net lengths."""
-
-    busy_per_step: dict[int, float] = field(default_factory=dict)
-    enqueue_per_step: dict[int, float] = field(default_factory=dict)
-    busy_per_key: dict[str, list[float]] = field(default_factory=dict)
-    enqueue_per_key: dict[str, list[float]] = field(default_factory=dict)
-    busy_per_part: dict[str, list[float]] = field(default_factory=dict)
-    enqueue_per_part: dict[str, list[float]] = field(default_factory=dict)
-    # the same spans' lengths: whether the sampled windows caught the slowdown a rule found over all steps
-    span_per_step: dict[int, float] = field(default_factory=dict)
-    span_per_key: dict[str, list[float]] = field(default_factory=dict)
-    span_per_part: dict[str, list[float]] = field(default_factory=dict)
-
-
-def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
-    """Per rank whose trace has ``busy_us`` (GPU windows that measured it): ``BusyTimes``. A step is summed only
-    where every summed span has ``busy_us`` (a sampled window measures all its spans or none)."""
-    found: dict[int, BusyTimes] = {}
-    for rank, trace in traces.items():
-        summed = "compute" if any(s["cat"] == "compute" for s in trace.spans) else "compute.layer"
-        times = BusyTimes()
-        partial: set[int] = set()
-        lists: dict[str, dict[str, list[float]]] = {
-            name: defaultdict(list) for name in ("bk", "ek", "sk", "bp", "ep", "sp")
-        }
-        for s, net in _net_compute_spans(trace):
-            step = _step_of(s)
-            if step is None:
-                continue
-            args = s.get("args") or {}
-            if "busy_us" not in args:
-                partial.add(step)
-                continue
-            busy, enqueue = float(args["busy_us"]), args.get("enqueue_us")
-            if s["cat"] == "compute":
-                key, kind = f"{s['name']} chunk {args.get('chunk', 0)}", "k"
-            elif host_paced(args, s["dur"]):
-                key, kind = "", ""  # layer parts: as layer_parts_per_step, only the spans the GPU paced
-            else:
-                key, kind = f"{args.get('direction', '?')} {args.get('part', s['name'])}", "p"
-            if kind:
-                lists["b" + kind][key].append(busy)
-                lists["s" + kind][key].append(net)
-                if enqueue is not None:
-                    lists["e" + kind][key].append(float(enqueue))
-            if s["cat"] == summed:
-                times.busy_per_step[step] = times.busy_per_step.get(step, 0.0) + busy
-                times.span_per_step[step] = times.span_per_step.get(step, 0.0) + net
-                if enqueue is not None:
-                    times.enqueue_per_step[step] = times.enqueue_per_step.get(step, 0.0) + float(enqueue)
-        for step in partial:
-            times.busy_per_step.pop(step, None)
-            times.enqueue_per_step.pop(step, None)
-            times.span_per_step.pop(step, None)
-        if lists["bk"] or lists["bp"]:
-            times.busy_per_key, times.enqueue_per_key = dict(lists["bk"]), dict(lists["ek"])
-            times.busy_per_part, times.enqueue_per_part = dict(lists["bp"]), dict(lists["ep"])
-            times.span_per_key, times.span_per_part = dict(lists["sk"]), dict(lists["sp"])
-            found[rank] = times
-    return found
+    return float(queued) < STARVED_US and float(enqueue) >= 0.5 * dur
 
 
 def collective_arrivals(traces: dict[int, RankTrace], per_rank: dict[int, RankSummary]) -> dict[int, dict[str, Any]]:
@@ -581,7 +499,7 @@ def data_waits(traces: dict[int, RankTrace], cat: str = "data") -> DataWaits:
         )
         for s in trace.spans:
             if s["cat"] == cat:
-                step = int(_step_of(s))  # type: ignore[arg-type]
+                step = int(step_of(s))  # type: ignore[arg-type]
                 per_step[step] += s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], fetches)
                 end[step] = max(end.get(step, -math.inf), s["ts"] + s["dur"] + trace.offset_us)
         if per_step:

@@ -113,8 +113,9 @@ def cross_stage_step_suspects(
     min_impact_us: float,
 ) -> list[Suspect]:
     """The per-step rule (module docstring) on ``measure.layer_parts_per_step``; the time it costs is the excess
-    share of the rank's layer spans per step (``layers``: ``measure.net_compute``'s layer samples). Adds its evidence to a compute
-    suspect already named (``evidence["per_step_layers"]``) or names a new one; returns the new suspects."""
+    share of the rank's layer spans per step (``layers``: ``measure.net_compute``'s layer samples). Adds its
+    evidence to a compute suspect already named (``evidence["per_step_layers"]``) or names a new one; returns
+    the new suspects."""
     alone = lone_stages(traces, parts_per_step)
     if len(alone) < 2:
         return []
