@@ -475,6 +475,23 @@ def test_pipeline_only_compares_layer_parts_across_stages(tmp_path: Path, slow: 
     assert abs(suspect.slowdown - 0.2) < 0.05
 
 
+@pytest.mark.parametrize("part", ["backward mlp", "forward attention"])
+def test_one_slow_layer_part_is_found_across_stages_per_step(tmp_path: Path, part: str) -> None:
+    """Another process time-slicing a stage's GPU slowed one layer part of it (2x H200: 3x, a different part
+    each fit) and left the others alone: the per-part medians across stages see nothing; a typical layer per
+    step (the parts' medians summed) does. The part's spans are 3x longer here (its stage's spans of that
+    direction 2x); without the per-step rule nothing is named."""
+    report, truth = run(
+        tmp_path, steps=10, dp=1, pp=4, tp=1, layers_per_stage=2, slow_ranks={2: 2.0}, slow_part=part, gpu_queue=True
+    )
+    assert truth["slow_part"] == part
+    suspect = only(report, 2, "compute")
+    assert suspect.evidence["rule"].startswith("typical layer per step across pipeline stages"), suspect.evidence
+    assert suspect.evidence["gpu_paced_only"] and suspect.evidence["p_value"] < 0.05
+    with pytest.raises(ValueError, match="slow_part='mlp'"):
+        generate_traces(tmp_path / "bad", dp=1, pp=2, tp=1, slow_ranks={1: 1.5}, slow_part="mlp")
+
+
 @pytest.mark.parametrize("case", ["lone-stage", "every-rank", "clean"])
 def test_a_rank_that_slows_down_during_the_run_against_itself(tmp_path: Path, case: str) -> None:
     """No peer can show these: PP2 without layer spans (each stage alone), or every rank slowed at once. The

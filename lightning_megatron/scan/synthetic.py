@@ -118,6 +118,7 @@ class _Simulation:
         self.rng, self.jitter, self.forward_us = rng, jitter, forward_us
         self.slow_fraction = 1.0
         self.layers_per_stage = 0
+        self.slow_part: Optional[tuple[str, str]] = None  # (direction, part) that carries a slow rank's excess
         self.queue: Optional[dict[int, bool]] = None  # GPU queue fields per rank: True = host-paced
         self.sleeping_hosts: set[int] = set()  # idle_gaps: hosts that launch late inside spans (GPU still behind)
         self.queue_rng = random.Random(4099)  # its own stream: the other draws stay those of traces without it
@@ -200,9 +201,12 @@ class _Simulation:
         share = 0.9 if rank in self.sleeping_hosts else 0.2
         return {**args, "queued_us": round(rng.uniform(500.0, 3000.0), 1), "enqueue_us": round(duration * share, 1)}
 
-    def layer_spans(self, rank: int, stage: int, direction: str, start: float, end: float, step: int) -> None:
-        """``layers_per_stage`` > 0: the span's time in equal attention and MLP parts of the stage's layers (in
-        backward order for a backward), as ``granularity="layer"`` writes them."""
+    def layer_spans(
+        self, rank: int, stage: int, direction: str, start: float, end: float, step: int, factor: float = 1.0
+    ) -> None:
+        """``layers_per_stage`` > 0: the span's time in attention and MLP parts of the stage's layers (in
+        backward order for a backward), as ``granularity="layer"`` writes them: equal parts, or with
+        ``slow_part`` and a span slowed by ``factor`` all of its excess in that part."""
         count = self.layers_per_stage
         if not count:
             return
@@ -210,11 +214,17 @@ class _Simulation:
         parts = [(n, p) for n in numbers for p in ("attention", "mlp")]
         if direction == "backward":
             parts.reverse()
-        width = (end - start) / len(parts)
-        for i, (number, part) in enumerate(parts):
+        weights = [1.0] * len(parts)
+        if self.slow_part is not None and self.slow_part[0] == direction and factor != 1.0:
+            slow = [i for i, (_, p) in enumerate(parts) if p == self.slow_part[1]]
+            for i in slow:  # the parts' base time is span / factor; the excess goes to the slow parts alone
+                weights[i] += (factor - 1.0) * len(parts) / len(slow)
+        t0 = start
+        for (number, part), weight in zip(parts, weights):
             args = {"step": step, "layer": number, "part": part, "direction": direction}
-            t0 = start + i * width
-            self.x(rank, f"layer {number} {part}", "compute.layer", TID["compute"], t0, t0 + width, args)
+            t1 = t0 + (end - start) * weight / sum(weights)
+            self.x(rank, f"layer {number} {part}", "compute.layer", TID["compute"], t0, t1, args)
+            t0 = t1
 
     def jit(self, duration: float) -> float:
         return duration * max(0.5, 1.0 + self.jitter * self.rng.gauss(0.0, 1.0)) if self.jitter else duration
@@ -286,7 +296,10 @@ class _Simulation:
                     else:  # F or B: two halves of compute, each closed by a TP all_reduce (as attention and MLP are)
                         base = self.forward_us * (1.0 if op == "F" else 2.0)
                         starts = [now[r] for r in lanes[s]]
-                        factors = [self.factor(r) for r in lanes[s]]  # a partial slowdown hits whole spans
+                        name = "forward" if op == "F" else "backward"
+                        hit = self.slow_part is None or self.slow_part[0] == name
+                        # a partial slowdown hits whole spans; a slow part only spans of its direction
+                        factors = [self.factor(r) if hit else 1.0 for r in lanes[s]]
                         for _half in range(2):
                             arrivals = [now[r] + self.jit(base / 2.0) * f for r, f in zip(lanes[s], factors)]
                             for r, f, arrival in zip(lanes[s], factors, arrivals):
@@ -302,7 +315,6 @@ class _Simulation:
                                         self.kernels.setdefault((r, step), []).append(nccl)
                             for r, end in zip(lanes[s], arrivals):
                                 now[r] = end
-                        name = "forward" if op == "F" else "backward"
                         args = {"step": step, "microbatch": mb, "chunk": 0}
                         for r, start in zip(lanes[s], starts):
                             self.x(
@@ -314,7 +326,8 @@ class _Simulation:
                                 now[r],
                                 self.queue_args(r, args, now[r] - start),
                             )
-                            self.layer_spans(r, s, name, start, now[r], step)
+                        for r, start, f in zip(lanes[s], starts, factors):
+                            self.layer_spans(r, s, name, start, now[r], step, f)
                     pointer[s] += 1
                     progressed = True
             if not progressed:
@@ -340,6 +353,7 @@ def generate_traces(
     slow_fraction: float = 1.0,
     slow_step_fraction: float = 1.0,
     slow_from_step: int = 0,
+    slow_part: Optional[str] = None,
     layers_per_stage: int = 0,
     clock_offsets_us: Optional[dict[int, float]] = None,
     seed: int = 0,
@@ -353,7 +367,10 @@ def generate_traces(
     """Simulate a dp × pp × tp job for ``steps`` steps and write one rank file per rank into ``out_dir``.
 
     ``slow_ranks`` {rank: compute factor} (``slow_fraction``: of the compute spans hit, at random;
-    ``slow_step_fraction``: of the steps hit, at random; ``slow_from_step``: none before it), ``slow_links`` {(src, dst): p2p transfer factor},
+    ``slow_step_fraction``: of the steps hit, at random; ``slow_from_step``: none before it; ``slow_part``, e.g.
+    ``"backward mlp"``: only spans of that direction are slower, and with layer spans all of the excess is in
+    that layer part, as another process time-slicing the GPU did on 2x H200), ``slow_links`` {(src, dst): p2p
+    transfer factor},
     ``layers_per_stage`` > 0 adds layer spans (``granularity="layer"``); ``gpu_queue`` writes the GPU
     recorder's ``enqueue_us``/``queued_us`` on compute spans (a GPU running behind a full queue), and
     ``host_paced`` {rank: factor} makes a rank's compute that much longer *because its host is slow*: its GPU
@@ -396,6 +413,11 @@ def generate_traces(
     if gpu_busy:
         sim.idle = idle
     sim.slow_fraction, sim.layers_per_stage = slow_fraction, layers_per_stage
+    if slow_part is not None:
+        direction, _, part = slow_part.partition(" ")
+        if direction not in ("forward", "backward") or part not in ("attention", "mlp"):
+            raise ValueError(f"slow_part={slow_part!r}: expected '<forward|backward> <attention|mlp>'")
+        sim.slow_part = (direction, part)
     now = sim.now
     dp_transfer = 2.0 * (dp - 1) / dp * GRAD_BYTES / DP_BANDWIDTH
     schedules = [_schedule(s, pp, microbatches) for s in range(pp)]
@@ -489,6 +511,7 @@ def generate_traces(
         "slow_host": slow_host,
         "slow_fraction": slow_fraction,
         "slow_step_fraction": slow_step_fraction,
+        "slow_part": slow_part,
         "slow_links": slow_links,
         "slow_data": slow_data,
         "idle_gaps": idle_gaps,
