@@ -260,17 +260,16 @@ def _link_suspects(
             classes[("both", same_host)] = [link for key in lone for link in classes.pop(key)]
     # Transfers whose span measured a slow host, not the link (``measure.host_paced``), are left out; a class
     # with a link left too few of them is not compared.
+    paced = {link: [t for t in samples if not t.host_paced] for link, samples in transfers.items()}
     for key, links in list(classes.items()):
-        kept = {link: [t for t in transfers[link] if not t.host_paced] for link in links}
-        if any(len(kept[link]) < _MIN_CLEAN for link in links):
-            if any(t.host_paced for link in links for t in transfers[link]):
+        if any(len(paced[link]) < _MIN_CLEAN for link in links):
+            if any(len(paced[link]) < len(transfers[link]) for link in links):
                 notes.append(
                     f"{key[0]} links: fewer than {_MIN_CLEAN} transfers of a link were not paced by their host; "
                     "links not compared"
                 )
             del classes[key]
-            continue
-        transfers = {**transfers, **kept}
+    transfers = paced
     chosen: dict[Link, list[Transfer]] = {}
     for links in classes.values():
         clean = all(sum(t.clean for t in transfers[link]) >= _MIN_CLEAN for link in links)

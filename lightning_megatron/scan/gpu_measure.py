@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from lightning_megatron.scan.measure import STARVED_US, RankTrace, host_paced, net_compute_spans, step_of
+from lightning_megatron.scan.measure import (
+    STARVED_US,
+    RankTrace,
+    host_paced,
+    layer_part,
+    net_compute_spans,
+    step_of,
+)
 
 __all__ = ["BusyTimes", "busy_times", "host_pacing"]
 
@@ -78,7 +85,7 @@ def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
             elif host_paced(args, s["dur"]):
                 key, kind = "", ""  # layer parts: as layer_parts_per_step, only the spans the GPU paced
             else:
-                key, kind = f"{args.get('direction', '?')} {args.get('part', s['name'])}", "p"
+                key, kind = layer_part(s), "p"
             if kind:
                 lists["b" + kind][key].append(busy)
                 lists["s" + kind][key].append(net)

@@ -61,6 +61,7 @@ __all__ = [
     "data_waits",
     "STARVED_US",
     "host_paced",
+    "layer_part",
     "layer_parts_per_step",
     "keep_finished_steps",
     "merge_intervals",
@@ -285,6 +286,12 @@ def net_compute(
     return compute, layers
 
 
+def layer_part(span: dict[str, Any]) -> str:
+    """A layer span's part merged over layers (``backward mlp``): the same work on every pipeline stage."""
+    args = span.get("args") or {}
+    return f"{args.get('direction', '?')} {args.get('part', span['name'])}"
+
+
 def layer_parts_per_step(traces: dict[int, RankTrace]) -> dict[int, dict[int, dict[str, list[float]]]]:
     """Per rank with layer spans, per step, per layer part (``backward mlp``: merged over the rank's layers):
     the net times (µs) of the spans its GPU, not its host, paced (``host_paced``). A host-paced span lasts as
@@ -296,7 +303,7 @@ def layer_parts_per_step(traces: dict[int, RankTrace]) -> dict[int, dict[int, di
             args = s.get("args") or {}
             if s["cat"] != "compute.layer" or "step" not in args or host_paced(args, s["dur"]):
                 continue
-            per_step[int(args["step"])][f"{args.get('direction', '?')} {args.get('part', s['name'])}"].append(net)
+            per_step[int(args["step"])][layer_part(s)].append(net)
         if per_step:
             found[rank] = {step: dict(parts) for step, parts in per_step.items()}
     return found
