@@ -19,15 +19,17 @@ Runners:
 * ``strategy-<spec>``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule(layer_spec=<spec>)``.
 * ``mcore-<spec>``: the same model in a hand-written megatron-core loop (``get_forward_backward_func`` +
   megatron-core DDP + megatron-core optimizer), the baseline the strategy must match (≥ 0.98×).
-* ``hf``: ``transformers.GPT2LMHeadModel`` with SDPA attention, autocast bf16 (fp32 weights and optimizer,
-  the same numerics as the other runners) and fused AdamW (1 GPU only); vocabulary padded to a multiple of
-  128 like megatron-core's, so every runner does the same FLOPs.
+* ``hf``: ``transformers``' own model (``GPT2LMHeadModel``, or ``LlamaForCausalLM`` for the Llama shape) with SDPA
+  attention, autocast bf16 (fp32 weights and optimizer, the same numerics as the other runners) and fused AdamW
+  (1 GPU only); vocabulary padded to a multiple of 128 like megatron-core's, so every runner does the same FLOPs.
 * ``hf-bf16``: the same with bf16 weights and optimizer states and no autocast: the fastest plain PyTorch
   loop (at the cost of bf16 weight updates).
 
-The strategy and mcore runners use GPT-2's tanh GeLU fused with its bias and megatron-core's fused
-cross-entropy on GPUs (``GPTModule(fuse_kernels=True)``, the default; ``bias_activation_fusion`` and
-``cross_entropy_loss_fusion`` in the raw loop).
+Models: GPT-2-medium and a Llama-style 0.85B (RMSNorm, SwiGLU, RoPE, GQA, no biases) on one GPU, the 1.3B GPT at
+TP2, PP2 and TP2 × PP2. The strategy runners use ``GPTModule(fuse_kernels=True)`` (the default: the fused
+bias-activation, this project's single-pass cross-entropy and fused RoPE); the raw loop megatron-core's own fusions
+(``bias_activation_fusion``, ``cross_entropy_loss_fusion``). ``--module-options`` and ``--overrides`` switch single
+pieces off for an ablation, ``--label`` names such runs.
 """
 
 from __future__ import annotations
@@ -60,6 +62,20 @@ MODELS: dict[str, dict[str, Any]] = {
         num_microbatches=4,
         layouts={"1gpu": (1, 1, 1)},
     ),
+    # Llama-style (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output layer): 0.85B parameters.
+    "llama-0.85b": dict(
+        style="llama",
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=5632,
+        seq_length=2048,
+        vocab_size=32000,
+        micro_batch_size=4,
+        num_microbatches=4,
+        layouts={"1gpu": (1, 1, 1)},
+    ),
     "gpt-1.3b": dict(
         num_layers=24,
         hidden_size=2048,
@@ -80,6 +96,19 @@ DRY_RUN_MODEL = dict(
     micro_batch_size=2,
     num_microbatches=2,
     layouts={"1gpu": (1, 1, 1), "tp2": (2, 2, 1)},
+)
+DRY_RUN_LLAMA = dict(
+    style="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=176,
+    seq_length=64,
+    vocab_size=500,
+    micro_batch_size=2,
+    num_microbatches=2,
+    layouts={"1gpu": (1, 1, 1)},
 )
 RUNNERS = ["strategy-local", "strategy-sdpa", "mcore-local", "mcore-sdpa", "hf", "hf-bf16"]
 WARMUP, MEASURED = 5, 10
@@ -116,16 +145,49 @@ class StepProfiler:
             self.profiler.__exit__(None, None, None)
             averages = self.profiler.key_averages()
             sort = "self_cuda_time_total" if any(e.self_device_time_total for e in averages) else "self_cpu_time_total"
-            self.path.write_text(f"{PROFILED} steps, sorted by {sort}\n" + averages.table(sort_by=sort, row_limit=35))
+            host = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+            self.path.write_text(
+                f"{PROFILED} steps, sorted by {sort}\n{averages.table(sort_by=sort, row_limit=60)}\n"
+                f"{PROFILED} steps, sorted by self_cpu_time_total (the host's share)\n{host}"
+            )
             self.profiler = None
 
 
 def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
-    """Megatron-LM's ``num_floating_point_operations`` for a dense GPT (no GLU, no GQA, vocab padded to 128)."""
+    """Megatron-LM's ``num_floating_point_operations`` for a dense GPT (GQA, SwiGLU, vocab padded to 128)."""
     h, layers, s = m["hidden_size"], m["num_layers"], m["seq_length"]
+    heads = m["num_attention_heads"]
+    groups = m.get("num_query_groups") or heads
+    ffn = m.get("ffn_hidden_size") or 4 * h
+    gated = 1.5 if _is_llama(m) else 1.0  # SwiGLU: three ffn-wide GEMMs instead of two
     vocab = -(-m["vocab_size"] // 128) * 128
-    ffn = 4 * h
-    return 12 * global_batch * s * layers * h * h * ((1 + 1 + s / h) + ffn / h + vocab / (2 * layers * h))
+    attention = 1 + groups / heads + s / h
+    return 12 * global_batch * s * layers * h * h * (attention + ffn / h * gated + vocab / (2 * layers * h))
+
+
+def _is_llama(m: dict[str, Any]) -> bool:
+    return m.get("style") == "llama"
+
+
+def _gpt_module_shape(m: dict[str, Any]) -> dict[str, Any]:
+    """``GPTModule`` arguments for a model shape: GPT-2's (tanh GeLU, LayerNorm, learned positions) or Llama's."""
+    shape = dict(
+        vocab_size=m["vocab_size"],
+        seq_length=m["seq_length"],
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+    )
+    if _is_llama(m):
+        return shape | dict(
+            num_query_groups=m["num_query_groups"],
+            ffn_hidden_size=m["ffn_hidden_size"],
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            activation="swiglu",
+            add_bias_linear=False,
+        )
+    return shape | dict(activation="gelu_tanh")  # GPT-2's GeLU (fused with its bias on GPUs, as in the mcore runner)
 
 
 # -- runners (inside the launched processes) -------------------------------------------------------------
@@ -201,14 +263,10 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
         callbacks=[timer],
     )
     model = GPTModule(
-        vocab_size=m["vocab_size"],
-        seq_length=m["seq_length"],
-        num_layers=m["num_layers"],
-        hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"],
-        activation="gelu_tanh",  # GPT-2's GeLU (fused with its bias on GPUs, as in the mcore runner)
+        **_gpt_module_shape(m),
         layer_spec=spec["runner"].split("-", 1)[1],
         transformer_config_overrides=spec.get("overrides"),
+        **(spec.get("module_options") or {}),
         split_invariant_init=False,
     )
     data = SyntheticTokenDataModule(
@@ -266,10 +324,21 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
         batch_p2p_comm=not on_cpu,
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
-        # GPT-2's tanh GeLU fused with its bias, and the fused cross-entropy: what Megatron-LM turns on.
-        activation_func=gelu_tanh if on_cpu else torch.nn.functional.gelu,
+        # GPT-2's tanh GeLU (or SwiGLU) fused with its bias, and the fused cross-entropy: what Megatron-LM turns on.
         bias_activation_fusion=not on_cpu,
         cross_entropy_loss_fusion=not on_cpu,
+        **(
+            dict(
+                num_query_groups=m["num_query_groups"],
+                ffn_hidden_size=m["ffn_hidden_size"],
+                normalization="RMSNorm",
+                add_bias_linear=False,
+                gated_linear_unit=True,
+                activation_func=torch.nn.functional.silu,
+            )
+            if _is_llama(m)
+            else dict(activation_func=gelu_tanh if on_cpu else torch.nn.functional.gelu)
+        ),
         **(spec.get("overrides") or {}),
     )
     padded_vocab = -(-m["vocab_size"] // 128) * 128
@@ -278,6 +347,7 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
         gpt_block_spec(spec["runner"].split("-", 1)[1], config),
         padded_vocab,
         m["seq_length"],
+        position_embedding_type="rope" if _is_llama(m) else "learned_absolute",
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     ).to(device)
@@ -336,24 +406,12 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
 
 def run_hf(spec: dict[str, Any]) -> list[float]:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     m = spec["model"]
     on_cpu = spec["accelerator"] == "cpu"
     pure_bf16 = spec["runner"] == "hf-bf16"
     device = torch.device("cpu" if on_cpu else "cuda")
-    config = GPT2Config(
-        n_layer=m["num_layers"],
-        n_embd=m["hidden_size"],
-        n_head=m["num_attention_heads"],
-        n_positions=m["seq_length"],
-        vocab_size=-(-m["vocab_size"] // 128) * 128,  # padded as megatron-core pads it: same FLOPs, fast GEMMs
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="sdpa",
-    )
-    model = GPT2LMHeadModel(config).to(device, torch.bfloat16 if pure_bf16 else torch.float32)
+    model = _hf_model(m).to(device, torch.bfloat16 if pure_bf16 else torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not on_cpu)
     mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
     tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq), device=device)
@@ -374,6 +432,41 @@ def run_hf(spec: dict[str, Any]) -> list[float]:
         times.append(time.perf_counter() - start)
         profiler.step_ended(step)
     return times[WARMUP : WARMUP + MEASURED]
+
+
+def _hf_model(m: dict[str, Any]) -> Any:
+    """``transformers``' own model of the shape, SDPA attention, no dropout; the vocabulary padded as megatron-core
+    pads it (same FLOPs, fast GEMMs)."""
+    padded_vocab = -(-m["vocab_size"] // 128) * 128
+    if _is_llama(m):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            num_hidden_layers=m["num_layers"],
+            hidden_size=m["hidden_size"],
+            num_attention_heads=m["num_attention_heads"],
+            num_key_value_heads=m["num_query_groups"],
+            intermediate_size=m["ffn_hidden_size"],
+            max_position_embeddings=m["seq_length"],
+            vocab_size=padded_vocab,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+        return LlamaForCausalLM(config)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=m["num_layers"],
+        n_embd=m["hidden_size"],
+        n_head=m["num_attention_heads"],
+        n_positions=m["seq_length"],
+        vocab_size=padded_vocab,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
+    return GPT2LMHeadModel(config)
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -415,7 +508,10 @@ def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, opt
             out.write(f"\n===== {name}/{layout}/{runner} =====\n{profile.read_text()}\n")
     ranks = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != gpus:
-        return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+        log = proc.stdout + proc.stderr
+        # the worker's own exception (torchrun's report of the failure comes after it and says less)
+        raised = [line for line in log.splitlines() if line.strip() and "Error" in line and "elastic" not in line]
+        return {"error": f"exit {proc.returncode}", "raised": raised[-8:], "log_tail": log[-3000:]}
     step = statistics.median(max(r["step_seconds"][i] for r in ranks) for i in range(len(ranks[0]["step_seconds"])))
     dp = gpus // (tp * pp)
     gbs = model["micro_batch_size"] * model["num_microbatches"] * dp
@@ -463,6 +559,11 @@ def main() -> int:
         help='MegatronAppStrategy arguments (JSON) for the strategy runners, e.g. {"gradient_accumulation_fusion": true}',
     )
     parser.add_argument(
+        "--module-options",
+        type=json.loads,
+        help='GPTModule arguments (JSON) for the strategy runners, e.g. {"fused_cross_entropy": false}',
+    )
+    parser.add_argument(
         "--fusion-ab",
         action="store_true",
         help="strategy runners: alternate blocks of steps without and with gradient_accumulation_fusion in one fit",
@@ -476,7 +577,7 @@ def main() -> int:
     import torch
 
     accelerator = "cpu" if args.cpu_dry_run else "gpu"
-    models = {"dry-run": DRY_RUN_MODEL} if args.cpu_dry_run else MODELS
+    models = {"dry-run": DRY_RUN_MODEL, "dry-run-llama": DRY_RUN_LLAMA} if args.cpu_dry_run else MODELS
     available = 2 if args.cpu_dry_run else torch.cuda.device_count()
     report = {
         "what": "training throughput, bf16, synthetic tokens; median step after warm-up",
@@ -495,6 +596,7 @@ def main() -> int:
         "profile": str(args.profile) if args.profile else None,
         "overrides": args.overrides,
         "strategy_options": args.strategy_options,
+        "module_options": args.module_options,
         "fusion_ab": args.fusion_ab,
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -510,6 +612,8 @@ def main() -> int:
                         result["overrides"] = args.overrides
                     if args.strategy_options and runner.startswith("strategy"):
                         result["strategy_options"] = args.strategy_options
+                    if args.module_options and runner.startswith("strategy"):
+                        result["module_options"] = args.module_options
                     report["runs"][f"{name}/{layout}/{runner}{args.label}"] = result
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(report, indent=1))

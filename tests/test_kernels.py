@@ -274,3 +274,68 @@ def test_fit_with_fused_kernels_matches_unfused(ranks: Any, model: dict, fused_s
         assert on["probe"]["sharded"] == off["probe"]["sharded"]
         assert on["loss"] == pytest.approx(off["loss"], rel=1e-5)
         assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5)
+
+
+def test_single_pass_cross_entropy_matches_torch_in_fp32() -> None:
+    from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 3, 50, generator=g) * 4).requires_grad_()
+    target = torch.randint(50, (6, 3), generator=g)
+    dy = torch.rand(6, 3, generator=g)
+    ours = _outputs_and_grads(lambda: vocab_parallel_cross_entropy(logits, target), [logits], dy)
+    ref = _outputs_and_grads(
+        lambda: F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(6, 3), [logits], dy
+    )
+    for a, b in zip(ours, ref):
+        assert _rel(a, b) < 1e-6
+    with pytest.raises(ValueError, match="targets of shape"):
+        vocab_parallel_cross_entropy(logits, target[:, :2])
+
+
+def test_fused_rope_matches_megatron_core_in_fp32() -> None:
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from lightning_megatron.kernels.rope import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(4)
+    for rot_dim in (16, 8):  # every channel rotated, and half of them passed through
+        t = torch.randn(5, 2, 3, 16, generator=g).requires_grad_()
+        freqs = torch.randn(5, 1, 1, rot_dim, generator=g)
+        dy = torch.randn(5, 2, 3, 16, generator=g)
+        ours = _outputs_and_grads(lambda t=t, freqs=freqs: apply_rotary_pos_emb(t, freqs), [t], dy)
+        ref = _outputs_and_grads(lambda t=t, freqs=freqs: _apply_rotary_pos_emb_bshd(t, freqs), [t], dy)
+        for a, b in zip(ours, ref):
+            assert _rel(a, b) < 1e-6
+    with pytest.raises(NotImplementedError, match="apply_rope_fusion"):
+        apply_rotary_pos_emb(t, freqs, interleaved=True)
+
+
+def loss_and_rope_paths(module: Any) -> dict[str, Any]:
+    """Which loss each chunk computes and which RoPE megatron-core calls (``fit_gpt``'s probe)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.utils import unwrap_model
+
+    from lightning_megatron.kernels.rope import apply_rotary_pos_emb
+
+    chunks = [unwrap_model(chunk) for chunk in module.model_chunks]
+    return {
+        "single_pass_cross_entropy": [c.single_pass_cross_entropy for c in chunks if c.post_process],
+        "fused_rope": module.transformer_config().apply_rope_fusion
+        and rope_utils.fused_apply_rotary_pos_emb is apply_rotary_pos_emb,
+    }
+
+
+def test_fit_with_single_pass_cross_entropy_and_fused_rope_matches_megatron_cores(ranks: Any) -> None:
+    """Llama style at TP2 (vocabulary split over two gloo ranks): the loss through ``kernels.cross_entropy`` and RoPE
+    through ``kernels.rope`` (installed as megatron-core's fused RoPE) give megatron-core's losses and grad norms."""
+    model = {**LLAMA, "layer_spec": "sdpa"}
+    fused = {**model, "fused_cross_entropy": True, "transformer_config_overrides": {"apply_rope_fusion": True}}
+    layout = {"tensor_model_parallel_size": 2}
+    plain = ranks.run(2, fit_gpt, 2, steps=3, model=model, probe=loss_and_rope_paths, **layout)
+    ours = ranks.run(2, fit_gpt, 2, steps=3, model=fused, probe=loss_and_rope_paths, **layout)
+    for off, on in zip(plain, ours):
+        assert off["probe"] == {"single_pass_cross_entropy": [False], "fused_rope": False}
+        assert on["probe"] == {"single_pass_cross_entropy": [True], "fused_rope": True}
+        assert on["loss"] == pytest.approx(off["loss"], rel=1e-6)
+        assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5)

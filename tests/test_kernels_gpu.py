@@ -399,3 +399,96 @@ def test_time_bias_gelu_and_bias_dropout_add(tmp_path: Path) -> None:
         _record(tmp_path, f"time/{name}", row)
         print(name, row)
         assert all(v > 0 for v in times.values())
+
+
+@pytest.fixture(scope="module")
+def one_rank_group() -> Any:
+    """A one-rank NCCL group: megatron-core's fused cross-entropy all-reduces over its tensor-parallel group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+
+
+@pytest.mark.parametrize("vocab", [50304, 32000])
+def test_single_pass_cross_entropy_bf16_parity_and_time(one_rank_group: Any, vocab: int, tmp_path: Path) -> None:
+    """``kernels.cross_entropy`` (compiled) against float64 and against megatron-core's fused cross-entropy (the
+    one ``cross_entropy_fusion_impl="native"`` selects) at the benchmark models' logits: 2048 tokens x 4."""
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    sets = []
+    for _ in range(SETS):
+        logits = (torch.randn(2048, 4, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        target = torch.randint(vocab, (2048, 4), device="cuda", generator=g)
+        sets.append(([logits], target))
+    fns = {
+        "megatron": lambda x, t: fused_vocab_parallel_cross_entropy(x, t, one_rank_group),
+        "single_pass": lambda x, t: vocab_parallel_cross_entropy(x, t, one_rank_group),
+    }
+    (logits,), target = sets[0]
+    dy = torch.rand(2048, 4, device="cuda", generator=g)
+    leaf = logits.double().requires_grad_()
+    ref_loss = F.cross_entropy(leaf.flatten(0, 1), target.flatten(), reduction="none").view(2048, 4)
+    ref_loss.backward(dy.double())
+    errors = {}
+    for name, fn in fns.items():
+        loss, grad = _run(lambda x, fn=fn: fn(x, target), [logits], dy)
+        errors[name] = {"loss": _rel(loss, ref_loss.detach()), "grad": _rel(grad, leaf.grad)}
+    assert errors["single_pass"]["loss"] < 1e-5 and errors["single_pass"]["grad"] < 1e-2
+    assert errors["single_pass"]["grad"] <= 2 * errors["megatron"]["grad"] + 1e-4
+
+    def step(fn: Callable[..., torch.Tensor]) -> Callable[[int], Any]:
+        def call(i: int) -> None:
+            (x,), t = sets[i]
+            fn(x.detach().requires_grad_(), t).backward(dy)
+
+        return call
+
+    times = _time_alternated({name: step(fn) for name, fn in fns.items()})
+    row = {"shape": [2048, 4, vocab], "errors_vs_float64": errors, "forward_backward_us": times}
+    row["speedup"] = times["megatron"] / times["single_pass"]
+    _record(tmp_path, f"time/cross_entropy/{vocab}", row)
+    print(row)
+
+
+def test_fused_rope_bf16_parity_and_time(tmp_path: Path) -> None:
+    """``kernels.rope`` (compiled) against float64 and megatron-core's unfused RoPE, at the Llama-style 0.85B
+    model's queries (2048 tokens x 4, 16 heads of 128) and keys (4 groups)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from lightning_megatron.kernels.rope import apply_rotary_pos_emb
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    inv = 1.0 / (10000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    angles = torch.outer(torch.arange(2048, device="cuda").float(), inv)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    row: dict[str, Any] = {}
+    for heads in (16, 4):
+        sets = [
+            ([torch.randn(2048, 4, heads, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()], None)
+            for _ in range(SETS)
+        ]
+        dy = torch.randn(2048, 4, heads, 128, device="cuda", generator=g).to(torch.bfloat16)
+        t = sets[0][0][0].detach()
+        leaf = t.double().requires_grad_()
+        ref = _apply_rotary_pos_emb_bshd(leaf, freqs.double())
+        ref.backward(dy.double())
+        errors = {}
+        fns = {
+            "unfused": lambda x: _apply_rotary_pos_emb_bshd(x, freqs),
+            "fused": lambda x: apply_rotary_pos_emb(x, freqs),
+        }
+        for name, fn in fns.items():
+            out, grad = _run(fn, [t], dy)
+            errors[name] = {"out": _rel(out, ref.detach()), "grad": _rel(grad, leaf.grad)}
+        assert errors["fused"]["out"] <= 2 * errors["unfused"]["out"] + 1e-4
+        assert errors["fused"]["grad"] <= 2 * errors["unfused"]["grad"] + 1e-4
+        times = _time_alternated({name: _fwd_bwd(fn, [(s, dy) for s, _ in sets]) for name, fn in fns.items()})
+        row[f"heads_{heads}"] = {"errors_vs_float64": errors, "forward_backward_us": times}
+        row[f"heads_{heads}"]["speedup"] = times["unfused"] / times["fused"]
+    _record(tmp_path, "time/rope/2048x4x128", row)
+    print(row)

@@ -1,4 +1,4 @@
-"""Fused kernels for the local/sdpa layer specs: norms and bias gradients (issue 17, item 2).
+"""Fused kernels for the local/sdpa layer specs: norms, bias gradients, cross-entropy and RoPE (issue 17).
 
 Every kernel here computes the same function as the unfused torch ops it replaces, within bf16 rounding on
 GPUs and within float32 reordering on CPUs (each module states its exact contract):
@@ -13,6 +13,10 @@ GPUs and within float32 reordering on CPUs (each module states its exact contrac
   bias-dropout-add of megatron-core's transformer layer).
 * :mod:`.layers`: the megatron-core modules (norm, linear, MLP, bias-dropout-add, transformer layer) the layer
   specs use when the ``GPTModule(fused_norms=..., fused_bias_grad=..., fused_residual_norm=...)`` settings are on.
+* :mod:`.cross_entropy`: the vocabulary-parallel cross-entropy that reads the logits once forward and once
+  backward (compiled on GPUs), the loss of ``GPTModule`` wherever ``fuse_kernels`` applies.
+* :mod:`.rope`: rotary position embedding as one compiled kernel each way, megatron-core's ``apply_rope_fusion``
+  kernel where Transformer Engine is absent.
 * :mod:`._triton`: whether Triton kernels run for a given tensor (CUDA and Triton; on CPUs the torch fallbacks
   run, with the same arithmetic as the kernels).
 """

@@ -13,7 +13,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 
+from lightning_megatron.compat import rope as rope_compat
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.models.generation import Generation, Prompts, generate
 from lightning_megatron.models.init import init_split_invariant_
 from lightning_megatron.models.module import MegatronLightningModule
@@ -40,18 +42,34 @@ def _load_hf_checkpoint(chunks: torch.nn.ModuleList, hf_dir: str) -> None:
     load_hf_weights_(chunks, hf_dir)
 
 
-def fused_kernel_fields(activation: str, add_bias_linear: bool) -> dict[str, Any]:
+def fused_kernel_fields(activation: str, add_bias_linear: bool, position_embedding_type: str = "") -> dict[str, Any]:
     """TransformerConfig fields that switch on megatron-core's fused GPU kernels where the math is unchanged.
 
     The fused bias-GeLU computes the tanh approximation (and is selected by ``F.gelu``), so it serves
-    ``gelu_tanh`` only; the erf GeLU stays unfused.
+    ``gelu_tanh`` only; the erf GeLU stays unfused. RoPE fusion is ``kernels.rope`` where Transformer Engine is
+    absent (``compat.rope``).
     """
     fused: dict[str, Any] = {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"}
     if activation == "gelu_tanh" and add_bias_linear:
         fused.update(bias_activation_fusion=True, activation_func=F.gelu)
     elif activation == "swiglu":
         fused.update(bias_activation_fusion=True)
+    if position_embedding_type == "rope":
+        fused.update(apply_rope_fusion=True)
     return fused
+
+
+class _GPTModel(GPTModel):
+    """megatron-core's ``GPTModel``, whose language-model loss can be ``kernels.cross_entropy`` (``GPTModule``'s
+    ``fused_cross_entropy``); everything else, checkpoints included, is the parent's."""
+
+    single_pass_cross_entropy: bool = False
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if not self.single_pass_cross_entropy:
+            return super().compute_language_model_loss(labels, logits)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s], as the parent returns it
 
 
 class GPTModule(MegatronLightningModule):
@@ -80,10 +98,16 @@ class GPTModule(MegatronLightningModule):
             weights ``configure_model`` loads instead of initializing; build the other arguments with
             ``lightning_megatron.convert.hf_config_to_gpt_kwargs``.
         layer_spec: Which implementation of the transformer layer to use (see ``models.specs``).
-        fuse_kernels: On GPUs, megatron-core's fused bias+activation (``gelu_tanh`` with biases, ``swiglu``)
-            and fused cross-entropy kernels (compiled by ``torch.compile`` on first use). Same math as
-            the unfused path; ``activation="gelu"`` (erf) stays unfused, since megatron-core's fused GeLU
-            is the tanh approximation. Ignored on CPUs, where compiling costs more than it saves.
+        fuse_kernels: On GPUs, fused kernels compiled by ``torch.compile`` on first use: megatron-core's
+            bias+activation (``gelu_tanh`` with biases, ``swiglu``), the cross-entropy (see
+            ``fused_cross_entropy``) and, with RoPE, the rotary embedding (``kernels.rope``, where Transformer
+            Engine is absent). Same math as the unfused path; ``activation="gelu"`` (erf) stays unfused, since
+            megatron-core's fused GeLU is the tanh approximation. Ignored on CPUs, where compiling costs more than
+            it saves.
+        fused_cross_entropy: The loss through ``kernels.cross_entropy``, which reads the logits once forward and
+            once backward and keeps no fp32 copy of them (megatron-core's fused one keeps the exp of every logit
+            in fp32). ``None`` (default): wherever ``fuse_kernels`` applies (GPUs); ``True``: also on CPUs (same
+            arithmetic, eager); ``False``: megatron-core's.
         fused_norms: LayerNorm/RMSNorm through ``lightning_megatron.kernels.norms``: on GPUs Triton kernels whose
             backward reads the input and its gradient once for the input, weight and bias gradients (ATen's
             reads them twice); the same function within bf16 rounding. On CPUs the same arithmetic as torch
@@ -129,6 +153,7 @@ class GPTModule(MegatronLightningModule):
         hf_checkpoint: Optional[str] = None,
         layer_spec: LayerSpecName = "local",
         fuse_kernels: bool = True,
+        fused_cross_entropy: Optional[bool] = None,
         fused_norms: bool = False,
         fused_bias_grad: bool = False,
         fused_residual_norm: bool = False,
@@ -188,14 +213,20 @@ class GPTModule(MegatronLightningModule):
                 kv_channels=hp.kv_channels,
                 layernorm_epsilon=hp.layernorm_epsilon,
             )
-            fused = fused_kernel_fields(hp.activation, hp.add_bias_linear) if hp.fuse_kernels else {}
-            fields.update(self.parallel.config_kwargs(), **({} if self.parallel.on_cpu else fused), **overrides)
+            fused = fused_kernel_fields(hp.activation, hp.add_bias_linear, hp.position_embedding_type)
+            fused = fused if hp.fuse_kernels else {}
+            # One after the other (not as keywords of one call): an override may name a fused field, and wins.
+            fields.update(self.parallel.config_kwargs())
+            fields.update({} if self.parallel.on_cpu else fused)
+            fields.update(overrides)
+            if fields.get("apply_rope_fusion"):
+                rope_compat.install()
             self._config = TransformerConfig(**fields)
         return self._config
 
     def build_chunk(self, stage: StageSpec) -> GPTModel:
         config = self.transformer_config()
-        model = GPTModel(
+        model = _GPTModel(
             config=config,
             transformer_layer_spec=gpt_block_spec(
                 self.hparams.layer_spec,
@@ -214,11 +245,18 @@ class GPTModule(MegatronLightningModule):
             rotary_base=self.hparams.rotary_base,
             vp_stage=stage.vp_stage,
         )
+        model.single_pass_cross_entropy = self._single_pass_cross_entropy()
         if self.hparams.fused_residual_norm or self.hparams.layer_spec.endswith("+fused"):
             from lightning_megatron.kernels.layers import link_residual_norms
 
             link_residual_norms(model)  # each layer's MLP bias-dropout-add with the norm after it
         return model
+
+    def _single_pass_cross_entropy(self) -> bool:
+        choice = self.hparams.fused_cross_entropy
+        if choice is None:
+            return self.hparams.fuse_kernels and not self.parallel.on_cpu
+        return bool(choice)
 
     def configure_model(self) -> None:
         if getattr(self, "model_chunks", None) is not None:

@@ -32,6 +32,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from lightning_megatron.compat.megatron import finish_distributed_optimizer_load, prepare_distributed_optimizer_load
+from lightning_megatron.compat.multi_tensor import install as install_foreach_kernels
 from lightning_megatron.compat.torch import mark_optimizer_stepped
 from lightning_megatron.errors import MegatronConfigError
 
@@ -317,8 +318,31 @@ def build_optimizer(
         ) from None
 
     overrides, representatives = _group_overrides(optimizer.param_groups)
+    install_foreach_kernels()
     megatron_optimizer = get_megatron_optimizer(config, list(chunks), config_overrides=overrides)
+    if optimizer.defaults.get("fused") is not False:
+        _fuse_adam_steps(megatron_optimizer)
     return MegatronOptimizer(optimizer, megatron_optimizer, representatives)
+
+
+def _fuse_adam_steps(megatron_optimizer: Any) -> None:
+    """Step torch's Adam/AdamW inside megatron-core's optimizer with its fused CUDA kernel.
+
+    Without Transformer Engine or Apex, megatron-core builds a plain ``torch.optim.AdamW``, whose CUDA default is
+    the foreach implementation: about ten passes over the fp32 master weights and both moments (9 ms a step on
+    GPT-2-medium on one H200, against 2 ms fused). ``fused=True`` is torch's single-kernel Adam, the same update
+    (what Apex's ``FusedAdam`` does). Set before the first step, so every ``step`` state tensor is created where the
+    fused kernel wants it (on the parameter's device); torch's ``load_state_dict`` moves loaded ones there too. A
+    user optimizer built with ``fused=False`` keeps the default.
+    """
+    parts = getattr(megatron_optimizer, "chained_optimizers", None) or [megatron_optimizer]
+    for part in parts:
+        inner = getattr(part, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:
+            continue
+        for group in inner.param_groups:
+            if group["params"] and all(p.is_cuda and p.dtype == torch.float32 for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
 
 
 def _group_overrides(groups: Sequence[dict[str, Any]]) -> tuple[dict, dict[int, list[int]]]:
