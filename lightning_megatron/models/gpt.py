@@ -304,7 +304,9 @@ class GPTModule(MegatronLightningModule):
     def _loss_fn(loss_mask: Optional[torch.Tensor]) -> LossFn:
         def loss_fn(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if loss_mask is None:
-                return per_token_loss.float().sum(), torch.tensor(per_token_loss.numel(), device=per_token_loss.device)
+                # new_full, not torch.tensor: no host-to-device copy, so a CUDA graph can capture it.
+                count = per_token_loss.new_full((), per_token_loss.numel(), dtype=torch.long)
+                return per_token_loss.float().sum(), count
             mask = loss_mask.to(per_token_loss.dtype)
             return (per_token_loss.float() * mask).sum(), mask.sum()
 

@@ -8,11 +8,15 @@ Layout of ``epoch=0-step=10.ckpt/``:
   hyperparameters), written once by global rank 0 after all shards are on disk, so its presence
   marks a complete checkpoint;
 * ``config.yaml``: the resolved LightningCLI configuration, when the run was started from the CLI.
+
+:func:`drop_unused_callback_states` trims a training checkpoint's callback states for loads that do not resume
+a fit.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,7 +27,7 @@ from megatron.core import dist_checkpointing
 
 from lightning_megatron.compat.megatron import use_in_process_checkpoint_results
 
-__all__ = ["DistCheckpointIO", "CONFIG_KEY", "SHARDED_KEYS"]
+__all__ = ["DistCheckpointIO", "CONFIG_KEY", "SHARDED_KEYS", "drop_unused_callback_states"]
 
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
@@ -95,3 +99,17 @@ class DistCheckpointIO(CheckpointIO):
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
+
+
+def drop_unused_callback_states(checkpoint: dict[str, Any], callbacks: Sequence[Any]) -> None:
+    """Evaluating or generating from a training checkpoint needs none of the run's callbacks.
+
+    Lightning hands each callback of this Trainer its saved state and warns about saved states without a
+    callback ("callbacks used to create the checkpoint need to be provided"), advice that is right for
+    resuming a fit and wrong for a validation or for loading weights to generate (``lightning-megatron
+    sample``). States no callback here would read are dropped; the others are restored as before.
+    """
+    states = checkpoint.get("callbacks")
+    if isinstance(states, dict):
+        present = {callback.state_key for callback in callbacks}
+        checkpoint["callbacks"] = {key: state for key, state in states.items() if key in present}

@@ -14,10 +14,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from lightning_megatron.compat.finalize_grads import finalize_model_grads
 from lightning_megatron.compat.megatron import batched_p2p_is_safe
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.strategy.parallel import ParallelLayout

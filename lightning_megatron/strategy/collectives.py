@@ -1,4 +1,5 @@
-"""Lightning's ``Strategy.reduce``/``all_gather`` semantics over a torch.distributed group, gloo included.
+"""Lightning's ``Strategy.reduce``/``all_gather``/``barrier``/``broadcast``/``reduce_boolean_decision`` semantics
+over torch.distributed, gloo included; each is a no-op without a process group (a single process).
 
 Lightning callers pass ``reduce_op`` as a string (``"mean"``, ``"sum"``, ...) or a ``ReduceOp``; gloo has no
 ``AVG``, so a mean is a sum divided by the group size, in floating point even for integer tensors.
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["gather_tensor", "reduce_tensor"]
+__all__ = ["barrier", "broadcast_object", "combine_decision", "gather_tensor", "reduce_tensor"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -47,3 +48,29 @@ def gather_tensor(tensor: Tensor, group: Optional[Any], sync_grads: bool = False
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, tensor, group=group)
     return torch.stack(list(gathered))
+
+
+def barrier(device: torch.device) -> None:
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+def combine_decision(decision: bool, all: bool, device: torch.device) -> bool:
+    """``all``: every rank decided so; else: any rank did."""
+    if not dist.is_initialized():
+        return decision
+    flag = torch.tensor(int(decision), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+    return bool(flag == dist.get_world_size()) if all else bool(flag)

@@ -43,9 +43,16 @@ from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSession
 from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
-from lightning_megatron.strategy.checkpoint import DistCheckpointIO
+from lightning_megatron.strategy.checkpoint import DistCheckpointIO, drop_unused_callback_states
 from lightning_megatron.strategy.chunks import install_config_hooks, unwrap, validated_chunks, wrap_ddp
-from lightning_megatron.strategy.collectives import gather_tensor, reduce_tensor
+from lightning_megatron.strategy.collectives import (
+    barrier,
+    broadcast_object,
+    combine_decision,
+    gather_tensor,
+    reduce_tensor,
+)
+from lightning_megatron.strategy.graphs import StepGraph, check_cuda_graphs, check_graphable_precision
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader, TimersDispatcher
 from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
@@ -92,6 +99,11 @@ class MegatronAppStrategy(ParallelStrategy):
         ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
+        cuda_graphs: Capture the training step (every microbatch's forward and backward, the gradient
+            reduction, the loss) as one CUDA graph after two eager steps and replay it on every later step
+            (:mod:`lightning_megatron.strategy.graphs`): for models too small to keep a GPU busy from Python.
+            GPUs only, ``pipeline_model_parallel_size=1``, bf16 or fp32, fixed batch shapes; steps that MegaScan
+            traces and validation run eagerly. The graph keeps the step's activation memory for the whole fit.
         ddp_config: Further ``megatron.core.distributed.DistributedDataParallelConfig`` fields.
         optimizer_config: Further ``megatron.core.optimizer.OptimizerConfig`` fields (loss-scaling
             knobs, CPU offload, ...). Optimizer type and hyperparameters come from
@@ -122,6 +134,7 @@ class MegatronAppStrategy(ParallelStrategy):
         tp_comm_overlap_chunks: int = 2,
         ddp_bucket_size: Optional[int] = None,
         deallocate_pipeline_outputs: bool = True,
+        cuda_graphs: bool = False,
         ddp_config: Optional[dict[str, Any]] = None,
         optimizer_config: Optional[dict[str, Any]] = None,
         seed: Optional[int] = None,
@@ -153,6 +166,8 @@ class MegatronAppStrategy(ParallelStrategy):
         self.schedule.validate(pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline)
         self.schedule_options = self.schedule.options(schedule_options)
         self._session: Optional[ScheduleSession] = None  # opened on the first step, closed at teardown
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs, pipeline=self.layout.pipeline)
+        self._step_graph: Optional[StepGraph] = None  # made for a fit on GPUs, dropped at teardown
         if overlap_param_gather and not use_distributed_optimizer:
             raise MegatronConfigError(
                 "`overlap_param_gather=True` overlaps the distributed optimizer's parameter all-gather; set "
@@ -253,6 +268,11 @@ class MegatronAppStrategy(ParallelStrategy):
         return self._parallel
 
     @property
+    def step_graph(self) -> Optional[StepGraph]:
+        """With ``cuda_graphs=True``, this fit's step graph (its ``captures`` and ``replays``); else None."""
+        return self._step_graph
+
+    @property
     def wrapped_chunks(self) -> list[torch.nn.Module]:
         """The model chunks as the pipeline schedule runs them (precision- and DDP-wrapped)."""
         return list(self._chunks)
@@ -270,6 +290,11 @@ class MegatronAppStrategy(ParallelStrategy):
             raise MegatronConfigError(
                 "process_group_backend='nccl' needs GPUs, but the Trainer runs on CPU. Use accelerator='gpu', or "
                 "process_group_backend='gloo' (the CPU default)."
+            )
+        if self.cuda_graphs and on_cpu:
+            raise MegatronConfigError(
+                "cuda_graphs=True replays CUDA graphs and needs GPUs, but the Trainer runs on CPU. Use "
+                "accelerator='gpu', or leave cuda_graphs off."
             )
         if on_cpu:
             from lightning_megatron.compat import cpu, quiet
@@ -326,7 +351,11 @@ class MegatronAppStrategy(ParallelStrategy):
         # tensor-parallel ranks distinct streams inside TP regions and equal ones outside.
         seed = base + 100 * parallel_state.get_pipeline_model_parallel_rank()
         torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        # CUDA graphs register the tracker's streams with the graph: they must be graph-safe generators.
+        graph_safe = self.cuda_graphs  # (GPUs only: setup_environment checked)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        reset = getattr(tracker, "use_cudagraphable_rng", False) != graph_safe
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe, force_reset_rng=reset)
 
     # -- model setup --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -348,6 +377,10 @@ class MegatronAppStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         wrapped_before = [unwrap(c) for c in self._chunks]
         needs_ddp = fitting and not all(isinstance(c, DistributedDataParallel) for c in self._chunks)
+        if fitting and self.cuda_graphs and self._step_graph is None:
+            check_graphable_precision(self.precision_plugin.params_dtype)
+            self._step_graph = StepGraph()
+            self._step_graph.open()  # before the DDP wrapper: see StepGraph.open
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
             self._chunks = wrap_ddp(wrapped, self._ddp_kwargs) if fitting else wrapped
@@ -444,17 +477,24 @@ class MegatronAppStrategy(ParallelStrategy):
         if self._session is None:
             timeout = self._timeout.total_seconds()
             self._session = self.schedule.open(ScheduleContext(self.schedule_options, self.root_device, timeout))
-        return run_forward_backward(
-            schedule=self._session,
-            chunks=self._chunks,
-            forward_step=module.forward_step,
-            microbatches=microbatches,
-            seq_length=seq_of(microbatches[0]),
-            micro_batch_size=self.micro_batch_size,
-            forward_only=forward_only,
-            device=self.root_device,
-            listeners=tuple(self._step_listeners),
-        )
+        session = self._session
+
+        def step(microbatches: list[Any]) -> StepOutput:
+            return run_forward_backward(
+                schedule=session,
+                chunks=self._chunks,
+                forward_step=module.forward_step,
+                microbatches=microbatches,
+                seq_length=seq_of(microbatches[0]),
+                micro_batch_size=self.micro_batch_size,
+                forward_only=forward_only,
+                device=self.root_device,
+                listeners=tuple(self._step_listeners),
+            )
+
+        if self._step_graph is not None and not forward_only and not self._step_listeners:
+            return self._step_graph(step, microbatches)  # a traced step (MegaScan) runs eagerly
+        return step(microbatches)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -485,28 +525,15 @@ class MegatronAppStrategy(ParallelStrategy):
         return gather_tensor(tensor, group if group is not None else self._default_group(), sync_grads)
 
     def barrier(self, name: Optional[str] = None) -> None:
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        barrier(self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Broadcast a picklable object from global rank ``src`` to every rank."""
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Combine a decision across **all** ranks (e.g. early stopping must stop every stage)."""
-        if not dist.is_initialized():
-            return decision
-        flag = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
-        return bool(flag == self.world_size) if all else bool(flag)
+        return combine_decision(decision, all, self.root_device)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _model_sharded_state_dict(self) -> dict[str, Any]:
@@ -536,21 +563,8 @@ class MegatronAppStrategy(ParallelStrategy):
         else:
             checkpoint = load(checkpoint_path, weights_only=weights_only)
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            self._drop_training_callback_states(checkpoint)
+            drop_unused_callback_states(checkpoint, self.lightning_module.trainer.callbacks)
         return checkpoint
-
-    def _drop_training_callback_states(self, checkpoint: dict[str, Any]) -> None:
-        """Evaluating or generating from a training checkpoint needs none of the run's callbacks.
-
-        Lightning hands each callback of this Trainer its saved state and warns about saved states without a
-        callback ("callbacks used to create the checkpoint need to be provided"), advice that is right for
-        resuming a fit and wrong for a validation or for loading weights to generate (``lightning-megatron
-        sample``). States no callback here would read are dropped; the others are restored as before.
-        """
-        states = checkpoint.get("callbacks")
-        if isinstance(states, dict):
-            present = {callback.state_key for callback in self.lightning_module.trainer.callbacks}
-            checkpoint["callbacks"] = {key: state for key, state in states.items() if key in present}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
@@ -563,6 +577,8 @@ class MegatronAppStrategy(ParallelStrategy):
             optimizer.load_sharded_state_dict(checkpoint["optimizer_states"][0])
 
     def teardown(self) -> None:
+        if self._step_graph is not None:
+            self._step_graph.close()  # frees the graph's memory pool; the counters stay for a look after the fit
         if self._session is not None:
             self._session.close()
             self._session = None

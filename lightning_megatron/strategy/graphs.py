@@ -1,0 +1,262 @@
+"""A training step's forward and backward as one CUDA graph: captured once, then replayed every step.
+
+Why: a model that is small for its GPU is bound by the host, not the GPU. GPT-2-medium on an H200 launches
+about 5,000 kernels a step; Python, autograd and the launches take longer than the kernels, so the GPU
+idles between them. Replaying a CUDA graph launches the whole step at once. megatron-core offers the same
+(``cuda_graph_impl="local"`` with the ``full_iteration`` scope); its wrapper keeps class-level state, assumes
+dict batches and Megatron-LM's training loop. This one is the strategy's, per fit, and knows the step's
+contract.
+
+Contract:
+
+* ``StepGraph()(run, microbatches)`` returns ``run(microbatches)``'s :class:`StepOutput`, like calling
+  ``run`` directly. ``run`` is the whole step: the schedule's forwards and backwards, the gradient
+  reduction and the loss.
+* The first ``warmup_steps`` steps with the same *signature* (microbatch count, every tensor's shape, dtype
+  and device, every other leaf's value) run eagerly: lazy initialisation, compiled kernels and NCCL
+  communicators happen there. The next step is captured into the graph and then replayed; every later step
+  with that signature copies its inputs into the captured (static) input buffers and replays.
+* A new signature drops the graph and starts again with warm-up steps. After ``max_captures`` graphs the
+  shapes are taken to vary on purpose and every later step runs eagerly, with one warning.
+* What ``run`` does must be capturable: GPU work only, no host synchronisation (``.item()``, host copies),
+  no tensors that change address between steps (parameters, ``main_grad`` buffers and optimizer state
+  keep theirs). A capture that fails raises :class:`MegatronConfigError` naming the cause and
+  ``cuda_graphs``. Host-side effects of ``run`` (hooks, logging) happen once, at capture, not per replay.
+* megatron-core's tensor-parallel RNG streams are registered with the graph, so dropout draws fresh
+  numbers on every replay. That needs the graph-safe tracker (``use_cudagraphable_rng``), which the
+  strategy seeds when graphs are on.
+* ``open()`` switches the thread to a CUDA stream of the graph's own, ``close()`` switches back (and frees the
+  graph). The strategy opens it before megatron-core's DDP wraps the model: the DDP creates every parameter's
+  gradient-accumulator node then, and autograd runs that node on the stream that was current at creation. On
+  the legacy default stream the capture would fail (it may not wait on a capturing stream); on the graph's
+  stream the whole step, accumulation included, is captured where it runs.
+* The outputs are copied out of the graph's memory after each replay, so a loss the caller keeps is not
+  overwritten by the next step. ``reset()`` frees the graph and its memory pool.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.strategy.step import StepOutput
+
+__all__ = ["StepGraph", "check_cuda_graphs", "check_graphable_precision"]
+
+StepFn = Callable[[Sequence[Any]], StepOutput]
+
+
+class StepGraph:
+    def __init__(self, warmup_steps: int = 2, max_captures: int = 4) -> None:
+        if warmup_steps < 1:
+            raise MegatronConfigError(
+                f"StepGraph(warmup_steps={warmup_steps}): at least one eager step must run before the capture "
+                "(lazy initialisation and compiled kernels must not happen inside it)."
+            )
+        self.warmup_steps = warmup_steps
+        self.max_captures = max_captures
+        self.captures = 0  # graphs captured so far (tests, the benchmark)
+        self.replays = 0
+        self._signature: Optional[tuple[Any, ...]] = None
+        self._eager_steps = 0
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._static_inputs: list[torch.Tensor] = []
+        self._static_output: Optional[StepOutput] = None
+        self._gave_up = False
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._previous_stream: Optional[torch.cuda.Stream] = None
+
+    def open(self) -> None:
+        """Run this thread's CUDA work on the graph's stream from now on (see the module's contract)."""
+        self._previous_stream = torch.cuda.current_stream()
+        self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(self._previous_stream)
+        torch.cuda.set_stream(self._stream)
+
+    def close(self) -> None:
+        """Free the graph and return to the stream that was current before ``open``."""
+        self.reset()
+        if self._stream is not None and self._previous_stream is not None:
+            self._previous_stream.wait_stream(self._stream)
+            torch.cuda.set_stream(self._previous_stream)
+        self._stream = self._previous_stream = None
+
+    def __call__(self, run: StepFn, microbatches: Sequence[Any]) -> StepOutput:
+        if self._gave_up:
+            return run(microbatches)
+        signature = _signature(microbatches)
+        if signature != self._signature:
+            if self._signature is not None and self.captures >= self.max_captures:
+                self._gave_up = True
+                self.reset()
+                rank_zero_warn(
+                    f"cuda_graphs: the step's input shapes changed again after {self.captures} CUDA graphs were "
+                    "captured; the remaining steps run without graphs. Keep shapes fixed (pad every batch to one "
+                    "sequence length, drop_last=True) to replay one graph."
+                )
+                return run(microbatches)
+            self.reset()
+            self._signature = signature
+        if self._graph is None:
+            if self._eager_steps < self.warmup_steps:
+                self._eager_steps += 1
+                if self._eager_steps < self.warmup_steps:
+                    return run(microbatches)
+                return _run_checking_syncs(run, microbatches)  # the last eager step: fail here, with the places
+            self._capture(run, microbatches)
+        else:
+            for static, new in zip(self._static_inputs, _tensors(microbatches)):
+                static.copy_(new, non_blocking=True)
+        assert self._graph is not None and self._static_output is not None
+        self._graph.replay()
+        self.replays += 1
+        out = self._static_output
+        return StepOutput(loss=out.loss.clone(), loss_sum=out.loss_sum.clone(), num_tokens=out.num_tokens.clone())
+
+    def reset(self) -> None:
+        """Free the graph, its memory pool and the static inputs; the next step warms up again."""
+        self._graph = None
+        self._static_inputs = []
+        self._static_output = None
+        self._eager_steps = 0
+        self._signature = None
+
+    def _capture(self, run: StepFn, microbatches: Sequence[Any]) -> None:
+        if self._stream is None or torch.cuda.current_stream() != self._stream:
+            raise MegatronConfigError(
+                "StepGraph: call open() before the model's gradient hooks are made (the strategy does, in setup) "
+                "and capture on the stream it opens; the legacy default stream cannot be captured."
+            )
+        static = _clone_tree(microbatches)
+        self._static_inputs = list(_tensors(static))
+        graph = torch.cuda.CUDAGraph()
+        for generator in _tracker_generators():
+            graph.register_generator_state(generator)
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                output = run(static)
+        except Exception as error:  # the capture is ended by torch.cuda.graph's __exit__; say what to do
+            self.reset()
+            first = error
+            while first.__context__ is not None:  # the first failure; later ones only say the capture is invalid
+                first = first.__context__  # type: ignore[assignment]
+            raise MegatronConfigError(
+                f"cuda_graphs=True: capturing the training step as a CUDA graph failed at {_where(first)}: "
+                f"{str(first).splitlines()[0] if str(first) else repr(first)}. A captured step may only queue GPU "
+                "work: no host synchronisation, no host-to-GPU copy, no CPU tensor moved to the GPU. Change that "
+                "place, or set MegatronAppStrategy(cuda_graphs=False)."
+            ) from error
+        self._graph, self._static_output = graph, output
+        self.captures += 1
+
+
+def check_cuda_graphs(enabled: Any, *, pipeline: int) -> bool:
+    """The strategy's ``cuda_graphs`` argument, checked when the strategy is built (before any process starts)."""
+    if not isinstance(enabled, bool):
+        raise MegatronConfigError(f"`cuda_graphs` must be true or false, got {enabled!r}.")
+    if not enabled:
+        return False
+    if pipeline > 1:
+        raise MegatronConfigError(
+            f"cuda_graphs=True with pipeline_model_parallel_size={pipeline}: the step graph covers one rank's "
+            "whole step, which only megatron-core's no-pipelining schedule keeps on the GPU (pipeline schedules wait "
+            "on other stages from the host: MegaDPP and MegaFBD from their transport threads). Use pipeline_model_parallel_size=1 (tensor and data parallelism are "
+            "fine), or cuda_graphs=False."
+        )
+    return True
+
+
+def check_graphable_precision(params_dtype: torch.dtype) -> None:
+    if params_dtype == torch.float16:
+        raise MegatronConfigError(
+            "cuda_graphs=True with fp16: the loss scale changes between steps, and a graph would keep scaling by "
+            "the one it was captured with. Use precision='bf16-mixed' (or 32), or cuda_graphs=False."
+        )
+
+
+def _run_checking_syncs(run: StepFn, microbatches: Sequence[Any]) -> StepOutput:
+    """``run`` under torch's CUDA sync debug mode: a step that waits for the GPU cannot be captured, and here
+    the error can say where it waits (a capture only says that it failed)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = run(microbatches)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    places = []
+    for warning in caught:
+        if "synchronizing CUDA operation" in str(warning.message):
+            places.append(f"{warning.filename}:{warning.lineno}")
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if places:
+        raise MegatronConfigError(
+            "cuda_graphs=True: the training step waits for the GPU from the host (an .item(), a Python `if` on a "
+            "GPU tensor, a copy to the host), which a CUDA graph cannot capture, at: "
+            + ", ".join(dict.fromkeys(places))
+            + ". Change those places to stay on the GPU, or set MegatronAppStrategy(cuda_graphs=False)."
+        )
+    return out
+
+
+def _where(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else "an unknown place"
+
+
+def _tracker_generators() -> list[torch.Generator]:
+    """megatron-core's tensor-parallel RNG streams, which a captured dropout draws from (the default CUDA
+    generator is registered by the capture itself)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    states = tracker.get_states().values()
+    if states and not getattr(tracker, "use_cudagraphable_rng", False):
+        raise MegatronConfigError(
+            "cuda_graphs=True needs megatron-core's graph-safe RNG tracker (model_parallel_cuda_manual_seed(..., "
+            "use_cudagraphable_rng=True)); MegatronAppStrategy(cuda_graphs=True) seeds it so. Something re-seeded "
+            "the tracker without it after the strategy's setup."
+        )
+    return [s for s in states if isinstance(s, torch.Generator)]
+
+
+def _signature(tree: Any) -> tuple[Any, ...]:
+    if isinstance(tree, torch.Tensor):
+        return ("tensor", tuple(tree.shape), tree.dtype, tree.device)
+    if isinstance(tree, Mapping):
+        return ("map", tuple((k, _signature(v)) for k, v in tree.items()))
+    if isinstance(tree, (list, tuple)):
+        return (type(tree).__name__, tuple(_signature(v) for v in tree))
+    return ("value", tree)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensor leaves in a fixed order (the order ``_signature`` and ``_clone_tree`` walk)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
+
+
+def _clone_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, Mapping):
+        return type(tree)((k, _clone_tree(v)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(_clone_tree(v) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone_tree(v) for v in tree)
+    return tree
