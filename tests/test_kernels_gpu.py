@@ -7,7 +7,11 @@ must be written), the Triton path in use; the fused result's ‖out − ref‖ /
 the same bf16 inputs must be under 1e-2 and within 2x (+1e-4) of the unfused ops' own error.
 
 Timing: fused and unfused alternated (order flipped every repetition), CUDA events around each call, four input
-sets rotated so repeated calls do not run from the cache, median of 200 repetitions after warm-up.
+sets rotated so repeated calls do not run from the cache, median of 200 repetitions after warm-up. Events around
+one eager call also time the host's launch (Triton's launcher and the autograd function cost tens of µs), so the
+norms and bias gradients are timed a second way too, ``gpu_only_us``: each variant captured once per input set in
+a CUDA graph, 10 replays between two events, the median per call: what the kernels cost inside a graphed step
+(``cuda_graphs=True``) or in a GPU-bound one.
 
 The fused bias-dropout-add + norm (``residual_norm``) is checked the same way against megatron-core's compiled
 bias-dropout-add followed by ATen's norm, with gradients into both outputs.
@@ -264,6 +268,40 @@ def _time_alternated(variants: dict[str, Callable[[int], Any]]) -> dict[str, flo
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def _time_graphed(variants: dict[str, Callable[[int], Any]], replays: int = 10, reps: int = 30) -> dict[str, float]:
+    """Median GPU microseconds per call of each variant: one CUDA graph per variant and input set, ``replays``
+    replays between two events (no host launch cost in the time), alternated as in ``_time_alternated``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs: dict[str, list[torch.cuda.CUDAGraph]] = {}
+    with torch.cuda.stream(stream):
+        for name, call in variants.items():
+            for i in range(SETS):
+                for _ in range(3):  # warm-up off the capture (Triton compiles, autograd allocates)
+                    call(i)
+            graphs[name] = []
+            for i in range(SETS):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    call(i)
+                graphs[name].append(graph)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            graph = graphs[name][rep % SETS]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000.0 / replays)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def _fwd_bwd(
     fn: Callable[..., torch.Tensor], sets: list[tuple[list[torch.Tensor], torch.Tensor]]
 ) -> Callable[[int], Any]:
@@ -316,12 +354,15 @@ def test_time_norms(rms: bool, hidden: int, tmp_path: Path) -> None:
             "fused_8_per_sm": programs_per_sm(8),
         }
     )
+    gpu_only = _time_graphed({"unfused": _fwd_bwd(unfused, sets), "fused": _fwd_bwd(fused, sets)})
     row = {
         "shape": [TOKENS, hidden],
         "forward_us": forward,
         "forward_backward_us": both,
         "speedup_forward": forward["unfused"] / forward["fused"],
         "speedup_forward_backward": both["unfused"] / both["fused"],
+        "forward_backward_gpu_only_us": gpu_only,
+        "speedup_forward_backward_gpu_only": gpu_only["unfused"] / gpu_only["fused"],
     }
     _record(tmp_path, f"time/{'rmsnorm' if rms else 'layernorm'}/{hidden}", row)
     print(row)
@@ -333,8 +374,15 @@ def test_time_bias_grad(width: int, tmp_path: Path) -> None:
     from lightning_megatron.kernels import bias_grad
 
     sets = [torch.randn(TOKENS // 2, 2, width, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
-    times = _time_alternated({"unfused": lambda i: sets[i].sum(dim=(0, 1)), "fused": lambda i: bias_grad(sets[i])})
-    row = {"shape": [TOKENS, width], "us": times, "speedup": times["unfused"] / times["fused"]}
+    variants = {"unfused": lambda i: sets[i].sum(dim=(0, 1)), "fused": lambda i: bias_grad(sets[i])}
+    times, gpu_only = _time_alternated(variants), _time_graphed(variants)
+    row = {
+        "shape": [TOKENS, width],
+        "us": times,
+        "speedup": times["unfused"] / times["fused"],
+        "gpu_only_us": gpu_only,
+        "speedup_gpu_only": gpu_only["unfused"] / gpu_only["fused"],
+    }
     _record(tmp_path, f"time/bias_grad/{width}", row)
     print(row)
     assert torch.allclose(bias_grad(sets[0]).float(), sets[0].sum(dim=(0, 1)).float(), rtol=2e-2, atol=0.5)
@@ -357,8 +405,15 @@ def test_time_residual_norm(rms: bool, hidden: int, tmp_path: Path) -> None:
 
         return call
 
-    times = _time_alternated({"unfused": fwd_bwd(unfused), "fused": fwd_bwd(fused)})
-    row = {"shape": [TOKENS, hidden], "forward_backward_us": times, "speedup": times["unfused"] / times["fused"]}
+    variants = {"unfused": fwd_bwd(unfused), "fused": fwd_bwd(fused)}
+    times, gpu_only = _time_alternated(variants), _time_graphed(variants)
+    row = {
+        "shape": [TOKENS, hidden],
+        "forward_backward_us": times,
+        "speedup": times["unfused"] / times["fused"],
+        "forward_backward_gpu_only_us": gpu_only,
+        "speedup_gpu_only": gpu_only["unfused"] / gpu_only["fused"],
+    }
     _record(tmp_path, f"time/residual_norm/{'rmsnorm' if rms else 'layernorm'}/{hidden}", row)
     print(row)
     assert all(v > 0 for v in times.values())
