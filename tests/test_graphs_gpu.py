@@ -34,68 +34,93 @@ def _record(tmp_path: Path, key: str, row: dict[str, Any]) -> None:
     out.write_text(json.dumps(rows, indent=1))
 
 
-def test_step_graph_replays_the_eager_step_bit_for_bit() -> None:
+def _stepper(model: torch.nn.Module) -> Any:
+    from lightning_megatron.strategy.step import StepOutput
+
+    def run(microbatches: Any) -> StepOutput:
+        total = torch.zeros((), device="cuda")
+        for mb in microbatches:
+            loss = ((model(mb["x"]) - mb["y"]) ** 2).mean()
+            loss.backward()
+            total = total + loss.detach()
+        count = torch.full((), float(len(microbatches)), device="cuda")
+        return StepOutput(loss=total / count, loss_sum=total, num_tokens=count)
+
+    return run
+
+
+def _batches(rows: list[int], seed: int = 1) -> list[list[dict[str, torch.Tensor]]]:
+    """One step per entry of ``rows``: two microbatches of that many rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    steps = []
+    for n in rows:
+        x, y = torch.randn(n, 64, device="cuda", generator=g), torch.randn(n, 64, device="cuda", generator=g)
+        steps.append([{"x": x, "y": y}, {"x": x.flip(0), "y": y}])
+    return steps
+
+
+def _train(batches: list[Any], graphed: bool, max_captures: int = 4) -> tuple[list[float], list[torch.Tensor], Any]:
     """As in the strategy: gradients accumulate through hooks on accumulator nodes made (and kept) after
     ``open()``, into buffers that keep their address; the optimizer steps outside the graph."""
     from lightning_megatron.strategy.graphs import StepGraph
-    from lightning_megatron.strategy.step import StepOutput
 
-    def stepper(model: torch.nn.Module) -> Any:
-        def run(microbatches: Any) -> StepOutput:
-            total = torch.zeros((), device="cuda")
-            for mb in microbatches:
-                loss = ((model(mb["x"]) - mb["y"]) ** 2).mean()
-                loss.backward()
-                total = total + loss.detach()
-            count = torch.full((), float(len(microbatches)), device="cuda")
-            return StepOutput(loss=total / count, loss_sum=total, num_tokens=count)
+    graph = StepGraph(warmup_steps=2, max_captures=max_captures)
+    graph.open()
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        main_grads = {p: torch.zeros_like(p) for p in model.parameters()}
+        accumulators = []
+        for p in model.parameters():  # megatron-core DDP's pattern: keep the node, hook it, move .grad away
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
 
-        return run
+            def hook(*_: Any, p: torch.nn.Parameter = p, buffer: torch.Tensor = main_grads[p]) -> None:
+                buffer.add_(p.grad)
+                p.grad = None
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [
-        [{"x": torch.randn(8, 64, device="cuda", generator=g), "y": torch.randn(8, 64, device="cuda", generator=g)}] * 2
-        for _ in range(8)
-    ]
-    losses, finals = {}, {}
-    for graphed in (False, True):
-        graph = StepGraph(warmup_steps=2)
-        graph.open()
-        try:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-            main_grads = {p: torch.zeros_like(p) for p in model.parameters()}
-            accumulators = []
-            for p in model.parameters():  # megatron-core DDP's pattern: keep the node, hook it, move .grad away
-                node = p.expand_as(p).grad_fn.next_functions[0][0]
+            node.register_hook(hook)
+            accumulators.append(node)
+        run, losses = _stepper(model), []
+        for batch in batches:
+            for buffer in main_grads.values():
+                buffer.zero_()
+            out = graph(run, batch) if graphed else run(batch)
+            for p in model.parameters():
+                p.grad = main_grads[p]
+            optimizer.step()
+            for p in model.parameters():
+                p.grad = None
+            losses.append(out.loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()], graph
+    finally:
+        graph.close()
 
-                def hook(*_: Any, p: torch.nn.Parameter = p, buffer: torch.Tensor = main_grads[p]) -> None:
-                    buffer.add_(p.grad)
-                    p.grad = None
 
-                node.register_hook(hook)
-                accumulators.append(node)
-            run, losses[graphed] = stepper(model), []
-            for batch in batches:
-                for buffer in main_grads.values():
-                    buffer.zero_()
-                out = graph(run, batch) if graphed else run(batch)
-                for p in model.parameters():
-                    p.grad = main_grads[p]
-                optimizer.step()
-                for p in model.parameters():
-                    p.grad = None
-                losses[graphed].append(out.loss.item())
-            finals[graphed] = [p.detach().clone() for p in model.parameters()]
-            assert (graph.captures, graph.replays) == ((1, 6) if graphed else (0, 0))
-        finally:
-            graph.close()
-    assert torch.cuda.current_stream() == torch.cuda.default_stream()
-    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
-    assert losses[True] == losses[False], losses
-    assert len(set(losses[True])) == len(losses[True])  # every replay read its own batch
-    assert all(torch.equal(a, b) for a, b in zip(finals[True], finals[False]))
+def test_step_graph_replays_the_eager_step_bit_for_bit() -> None:
+    batches = _batches([8] * 8)
+    eager, eager_params, _ = _train(batches, graphed=False)
+    replayed, replayed_params, graph = _train(batches, graphed=True)
+    assert (graph.captures, graph.replays) == (1, 6)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # close() gave the stream back
+    assert all(torch.isfinite(torch.tensor(eager)))
+    assert replayed == eager
+    assert len(set(replayed)) == len(replayed)  # every replay read its own batch
+    assert all(torch.equal(a, b) for a, b in zip(replayed_params, eager_params))
+
+
+def test_a_new_shape_captures_a_new_graph_and_too_many_shapes_run_eagerly() -> None:
+    rows = [8] * 4 + [16] * 4 + [8] * 4  # A, B, A again: three captures, each after two eager steps
+    batches = _batches(rows, seed=2)
+    eager, eager_params, _ = _train(batches, graphed=False)
+    replayed, replayed_params, graph = _train(batches, graphed=True)
+    assert (graph.captures, graph.replays) == (3, 6)
+    assert replayed == eager and all(torch.equal(a, b) for a, b in zip(replayed_params, eager_params))
+    # With one graph allowed, the second shape gives up: the rest of the fit is eager, and still the same.
+    with pytest.warns(UserWarning, match="shapes changed again"):
+        capped, capped_params, graph = _train(batches, graphed=True, max_captures=1)
+    assert (graph.captures, graph.replays) == (1, 2)
+    assert capped == eager and all(torch.equal(a, b) for a, b in zip(capped_params, eager_params))
 
 
 def test_a_step_that_waits_for_the_gpu_is_named_before_the_capture() -> None:

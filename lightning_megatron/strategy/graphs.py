@@ -63,6 +63,7 @@ class StepGraph:
         self.max_captures = max_captures
         self.captures = 0  # graphs captured so far (tests, the benchmark)
         self.replays = 0
+        self.eager_steps_by_caller = 0  # steps the caller ran without the graph (MegaScan tracing)
         self._signature: Optional[tuple[Any, ...]] = None
         self._eager_steps = 0
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -74,6 +75,8 @@ class StepGraph:
 
     def open(self) -> None:
         """Run this thread's CUDA work on the graph's stream from now on (see the module's contract)."""
+        if self._stream is not None:
+            return
         self._previous_stream = torch.cuda.current_stream()
         self._stream = torch.cuda.Stream()
         self._stream.wait_stream(self._previous_stream)
@@ -118,6 +121,12 @@ class StepGraph:
         self.replays += 1
         out = self._static_output
         return StepOutput(loss=out.loss.clone(), loss_sum=out.loss_sum.clone(), num_tokens=out.num_tokens.clone())
+
+    def note_eager_step(self, why: str) -> None:
+        """The caller ran a step without the graph; say so once (a user who asked for graphs should know)."""
+        self.eager_steps_by_caller += 1
+        if self.eager_steps_by_caller == 1:
+            rank_zero_warn(f"cuda_graphs=True: {why}, so it runs eagerly (without the CUDA graph).")
 
     def reset(self) -> None:
         """Free the graph, its memory pool and the static inputs; the next step warms up again."""

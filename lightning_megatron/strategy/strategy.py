@@ -99,11 +99,10 @@ class MegatronAppStrategy(ParallelStrategy):
         ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
-        cuda_graphs: Capture the training step (every microbatch's forward and backward, the gradient
-            reduction, the loss) as one CUDA graph after two eager steps and replay it on every later step
-            (:mod:`lightning_megatron.strategy.graphs`): for models too small to keep a GPU busy from Python.
-            GPUs only, ``pipeline_model_parallel_size=1``, bf16 or fp32, fixed batch shapes; steps that MegaScan
-            traces and validation run eagerly. The graph keeps the step's activation memory for the whole fit.
+        cuda_graphs: Replay the training step (forwards, backwards, gradient reduction, loss) as one CUDA graph
+            captured after two eager steps (:mod:`lightning_megatron.strategy.graphs`), for models too small to
+            keep a GPU busy from Python. GPUs, ``pipeline_model_parallel_size=1``, bf16/fp32, fixed shapes;
+            validation and steps MegaScan traces run eagerly.
         ddp_config: Further ``megatron.core.distributed.DistributedDataParallelConfig`` fields.
         optimizer_config: Further ``megatron.core.optimizer.OptimizerConfig`` fields (loss-scaling
             knobs, CPU offload, ...). Optimizer type and hyperparameters come from
@@ -377,9 +376,9 @@ class MegatronAppStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         wrapped_before = [unwrap(c) for c in self._chunks]
         needs_ddp = fitting and not all(isinstance(c, DistributedDataParallel) for c in self._chunks)
-        if fitting and self.cuda_graphs and self._step_graph is None:
+        if fitting and self.cuda_graphs:
             check_graphable_precision(self.precision_plugin.params_dtype)
-            self._step_graph = StepGraph()
+            self._step_graph = self._step_graph or StepGraph()
             self._step_graph.open()  # before the DDP wrapper: see StepGraph.open
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
@@ -492,8 +491,10 @@ class MegatronAppStrategy(ParallelStrategy):
                 listeners=tuple(self._step_listeners),
             )
 
-        if self._step_graph is not None and not forward_only and not self._step_listeners:
-            return self._step_graph(step, microbatches)  # a traced step (MegaScan) runs eagerly
+        if self._step_graph is not None and not forward_only:
+            if not self._step_listeners:
+                return self._step_graph(step, microbatches)
+            self._step_graph.note_eager_step("MegaScan traces this step")  # its CUDA events need an eager step
         return step(microbatches)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
