@@ -5,11 +5,19 @@
     python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf
     python benchmarks/throughput.py --cpu-dry-run --out /tmp/throughput.json        # tiny shapes, checks plumbing
     python benchmarks/throughput.py --only gpt-1.3b/tp2 --runners strategy-sdpa --fusion-ab   # A/B in one fit
+    python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf-bf16 --repeat 3 \
+        --variants '{"": {}, "-graphs": {"strategy_options": {"cuda_graphs": true}}}'  # alternated, medians
 
 Every case runs in its own processes (``torchrun --standalone``), one after another, so runs do not share
 memory or caches. Each reports the median step time over the measured steps (after warm-up), tokens per
 second, model TFLOP/s per GPU by Megatron-LM's formula (``num_floating_point_operations``), and the peak
 memory of the busiest GPU.
+
+``--variants`` runs the strategy (and raw-loop) runners under several settings in one launch, ``--repeat N`` goes
+over all cases N times, reversing the order every other round (GPU speed drifts between machines and over
+minutes: ratios are only fair within a launch, and alternation spreads the drift). A run then reports the medians
+over its rounds (each round kept under ``rounds``), and ``ratios_to_<baseline>`` the per-round TFLOP/s ratios to
+``--baseline`` (default ``hf-bf16``) with their median.
 
 ``--fusion-ab``: the strategy runners alternate blocks of two steps without and with
 ``gradient_accumulation_fusion`` in one fit (the weight-gradient GEMM accumulating into fp32 ``main_grad``), so
@@ -488,8 +496,7 @@ def _worker(spec: dict[str, Any]) -> None:
 # -- driver ----------------------------------------------------------------------------------------------
 def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, options: dict[str, Any]) -> dict[str, Any]:
     gpus, tp, pp = model["layouts"][layout]
-    result_dir = workdir / f"{name}-{layout}-{runner}"
-    result_dir.mkdir(parents=True)
+    result_dir = Path(tempfile.mkdtemp(prefix=f"{name}-{layout}-{runner}-", dir=workdir))
     spec = {"runner": runner, "model": model, "layout": (gpus, tp, pp), "result_dir": str(result_dir), **options}
     command = [
         sys.executable,
@@ -541,6 +548,49 @@ def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, opt
     }
 
 
+def _takes(runner: str, key: str) -> bool:
+    """Which runners an option applies to: ``overrides`` to the megatron-core ones, the others to the strategy."""
+    return not runner.startswith("hf") if key == "overrides" else runner.startswith("strategy")
+
+
+def _variant_options(options: dict[str, Any], extra: dict[str, Any], runner: str) -> dict[str, Any]:
+    """The launch options of one variant: its settings merged over the command line's."""
+    unknown = set(extra) - {"overrides", "strategy_options", "module_options"}
+    if unknown:
+        raise SystemExit(f"--variants: unknown keys {sorted(unknown)}; use overrides, strategy_options, module_options")
+    merged = dict(options)
+    for key, value in extra.items():
+        merged[key] = {**(options.get(key) or {}), **(value or {})} if _takes(runner, key) else options.get(key)
+    return merged
+
+
+def _summarised(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's rounds: the single result as it is, or medians over the rounds that did not fail."""
+    if len(results) == 1:
+        return results[0]
+    good = [r for r in results if "error" not in r]
+    summary: dict[str, Any] = {"rounds": results}
+    if good:
+        for key in ("step_seconds_median", "tokens_per_second", "model_tflops_per_gpu"):
+            summary[key] = statistics.median(r[key] for r in good)
+        summary["peak_memory_gib"] = max(r["peak_memory_gib"] for r in good)
+        keys = ("gpus", "tp", "pp", "global_batch_size", "overrides", "strategy_options", "module_options")
+        summary.update({k: good[0][k] for k in keys if k in good[0]})
+    if len(good) < len(results):
+        summary["failed_rounds"] = len(results) - len(good)
+    return summary
+
+
+def _shown(result: dict[str, Any]) -> str:
+    shown = result.get("error") or (
+        f"{result['tokens_per_second']:9.0f} tok/s {result['model_tflops_per_gpu']:7.1f} TFLOP/s/GPU "
+        f"{result['peak_memory_gib']:6.1f} GiB"
+    )
+    if "fusion_ab" in result:
+        shown += f"  with gradient_accumulation_fusion: {result['fusion_ab']['speedup']:.3f}x"
+    return shown
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
@@ -569,6 +619,17 @@ def main() -> int:
         help="strategy runners: alternate blocks of steps without and with gradient_accumulation_fusion in one fit",
     )
     parser.add_argument("--label", default="", help="suffix of the run names, e.g. for runs with --overrides")
+    parser.add_argument(
+        "--variants",
+        type=json.loads,
+        help='strategy/mcore runs under several settings in one launch: {label: {"strategy_options": ..., '
+        '"module_options": ..., "overrides": ...}}, e.g. {"": {}, "-graphs": {"strategy_options": '
+        '{"cuda_graphs": true}}}; each on top of the options above; hf runners run once per round',
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds over every case, the order reversed every other round"
+    )
+    parser.add_argument("--baseline", default="hf-bf16", help="runner the per-round ratios are taken against")
     args = parser.parse_args()
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))
@@ -599,31 +660,42 @@ def main() -> int:
         "module_options": args.module_options,
         "fusion_ab": args.fusion_ab,
     }
+    variants = args.variants or {args.label: {}}
+    rounds: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in models.items():
             for layout, (gpus, _, _) in model["layouts"].items():
                 if gpus > available or (args.only and f"{name}/{layout}" not in args.only):
                     continue
-                for runner in args.runners:
-                    if runner.startswith("hf") and gpus > 1:
-                        continue  # the transformers baseline is single-GPU
-                    result = _launch(name, layout, runner, model, Path(tmp), options)
-                    if args.overrides and not runner.startswith("hf"):
-                        result["overrides"] = args.overrides
-                    if args.strategy_options and runner.startswith("strategy"):
-                        result["strategy_options"] = args.strategy_options
-                    if args.module_options and runner.startswith("strategy"):
-                        result["module_options"] = args.module_options
-                    report["runs"][f"{name}/{layout}/{runner}{args.label}"] = result
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps(report, indent=1))
-                    shown = result.get("error") or (
-                        f"{result['tokens_per_second']:9.0f} tok/s {result['model_tflops_per_gpu']:7.1f} TFLOP/s/GPU "
-                        f"{result['peak_memory_gib']:6.1f} GiB"
-                    )
-                    if "fusion_ab" in result:
-                        shown += f"  with gradient_accumulation_fusion: {result['fusion_ab']['speedup']:.3f}x"
-                    print(f"{name:>12} {layout:>8} {runner + args.label:>22}  {shown}", flush=True)
+                cases = [
+                    (runner, label, _variant_options(options, extra, runner))
+                    for runner in args.runners
+                    if not (runner.startswith("hf") and gpus > 1)  # the transformers baseline is single-GPU
+                    for label, extra in (variants.items() if not runner.startswith("hf") else [("", {})])
+                ]
+                for round_index in range(args.repeat):
+                    by_run: dict[str, dict[str, Any]] = {}
+                    for runner, label, case_options in cases if round_index % 2 == 0 else cases[::-1]:
+                        result = _launch(name, layout, runner, model, Path(tmp), case_options)
+                        for key in ("overrides", "strategy_options", "module_options"):
+                            if case_options.get(key) and _takes(runner, key):
+                                result[key] = case_options[key]
+                        run = f"{name}/{layout}/{runner}{label}"
+                        by_run[run] = result
+                        rounds.setdefault(run, []).append(result)
+                        report["runs"][run] = _summarised(rounds[run])
+                        args.out.parent.mkdir(parents=True, exist_ok=True)
+                        args.out.write_text(json.dumps(report, indent=1))
+                        print(f"{name:>12} {layout:>8} {runner + label:>28}  {_shown(result)}", flush=True)
+                    baseline = by_run.get(f"{name}/{layout}/{args.baseline}")
+                    if baseline and "error" not in baseline and args.repeat > 1:
+                        ratios = report.setdefault("ratios_to_" + args.baseline, {})
+                        for run, result in by_run.items():
+                            if "error" not in result and not run.endswith("/" + args.baseline):
+                                per_round = ratios.setdefault(run, {"per_round": []})["per_round"]
+                                per_round.append(result["model_tflops_per_gpu"] / baseline["model_tflops_per_gpu"])
+                                ratios[run]["median"] = statistics.median(per_round)
+                        args.out.write_text(json.dumps(report, indent=1))
     return 0 if all("error" not in r for r in report["runs"].values()) else 1
 
 
