@@ -1,11 +1,13 @@
 """``cuda_graphs=True`` on a GPU: the replayed step computes what the eager step computes.
 
 * ``StepGraph`` alone, on a small model with an optimizer outside the graph: bit-identical losses and
-  parameters to the eager loop, fresh inputs each replay, one capture.
+  parameters to the eager loop, fresh inputs each replay, one capture; a new batch shape captures again, too
+  many shapes fall back to eager steps; a step that waits for the GPU is named with its file and line.
 * Real fits (subprocesses: megatron-core's global state is per process) with ``cuda_graphs`` off and on, in one
   launch: a GPT-2-style model without dropout (losses equal to 1e-5) and a Llama-style one (RMSNorm,
   SwiGLU, RoPE, GQA) with dropout 0.1 (the dropout streams are registered with the graph), each with
-  validation between graphed steps. At TP2 when two GPUs are there.
+  validation between graphed steps. With two GPUs also TP2 + SP, DP2, and DP2 with the distributed optimizer
+  and megatron-core's overlapped gradient reduction.
 
 ``LM_RESULTS_DIR``: where the losses go (``graphs_gpu.json``).
 """
@@ -227,10 +229,20 @@ def test_llama_style_fit_with_dropout_draws_fresh_masks(tmp_path: Path) -> None:
     assert on["loss"][-1] < on["loss"][0]
 
 
+TWO_GPU_LAYOUTS = {
+    "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "dp2": {},
+    "dp2-distopt-overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
+}
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_fit_matches_eager(tmp_path: Path) -> None:
-    results = _fits(GPT2_STYLE, {"devices": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True})
+@pytest.mark.parametrize("layout", list(TWO_GPU_LAYOUTS))
+def test_two_gpu_fit_matches_eager(layout: str, tmp_path: Path) -> None:
+    """Collectives inside the graph: tensor-parallel all-gathers and reduce-scatters, the data-parallel gradient
+    all-reduce, and megatron-core's overlapped reduce-scatter on its own stream."""
+    results = _fits(GPT2_STYLE, {"devices": 2, **TWO_GPU_LAYOUTS[layout]})
     results["max_rel_loss_diff"] = _max_rel(results["on"]["loss"], results["off"]["loss"])
-    _record(tmp_path, "fit/gpt2-style-tp2-sp-bf16", results)
+    _record(tmp_path, f"fit/gpt2-style-{layout}-bf16", results)
     assert results["on"]["graph"] == {"captures": 1, "replays": 8}
     assert results["max_rel_loss_diff"] < 1e-5, results
