@@ -53,6 +53,8 @@ StepFn = Callable[[Sequence[Any]], StepOutput]
 
 
 class StepGraph:
+    """One fit's step graph: warm-up, capture, replay, re-capture on a new signature (the module's contract)."""
+
     def __init__(self, warmup_steps: int = 2, max_captures: int = 4) -> None:
         if warmup_steps < 1:
             raise MegatronConfigError(
@@ -83,8 +85,9 @@ class StepGraph:
         torch.cuda.set_stream(self._stream)
 
     def close(self) -> None:
-        """Free the graph and return to the stream that was current before ``open``."""
+        """Free the graph and return to the stream that was current before ``open`` (a later fit starts afresh)."""
         self.reset()
+        self._gave_up = False
         if self._stream is not None and self._previous_stream is not None:
             self._previous_stream.wait_stream(self._stream)
             torch.cuda.set_stream(self._previous_stream)
