@@ -166,7 +166,7 @@ class MegatronAppStrategy(ParallelStrategy):
         self.schedule_options = self.schedule.options(schedule_options)
         self._session: Optional[ScheduleSession] = None  # opened on the first step, closed at teardown
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, pipeline=self.layout.pipeline)
-        self._step_graph: Optional[StepGraph] = None  # made for a fit on GPUs, dropped at teardown
+        self._step_graph: Optional[StepGraph] = None  # made for a fit on GPUs, closed at teardown (counters kept)
         if overlap_param_gather and not use_distributed_optimizer:
             raise MegatronConfigError(
                 "`overlap_param_gather=True` overlaps the distributed optimizer's parameter all-gather; set "
