@@ -1,11 +1,15 @@
-"""What the GPU transport tests share: random tensors of every dtype, and a tensor that takes a known time to
-compute (the "is the data ready" cases)."""
+"""What the GPU tests share: random tensors of every dtype, a tensor that takes a known time to compute (the
+transport's "is the data ready" cases), and where a test's results go (``record``)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,3 +61,13 @@ def random_value(tag: int, shape: tuple[int, ...], dtype: torch.dtype, device: s
         raw = raw % 2
     n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     return raw[:n].view(dtype).reshape(shape).to(device)
+
+
+def record(file_name: str, tmp_path: Path, key: str, row: dict[str, Any]) -> None:
+    """Add ``row`` under ``key`` to ``file_name`` in ``$LM_RESULTS_DIR`` (else ``tmp_path``), with the device and
+    torch version: the JSON that goes to ``benchmarks/results/`` after a device run."""
+    out = Path(os.environ.get("LM_RESULTS_DIR", tmp_path)) / file_name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = json.loads(out.read_text()) if out.exists() else {}
+    rows[key] = {**row, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out.write_text(json.dumps(rows, indent=1))

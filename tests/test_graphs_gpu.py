@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,17 +22,14 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_work import record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _record(tmp_path: Path, key: str, row: dict[str, Any]) -> None:
-    out = Path(os.environ.get("LM_RESULTS_DIR", tmp_path)) / "graphs_gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows = json.loads(out.read_text()) if out.exists() else {}
-    rows[key] = {**row, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    out.write_text(json.dumps(rows, indent=1))
+    record("graphs_gpu.json", tmp_path, key, row)
 
 
 def _stepper(model: torch.nn.Module) -> Any:

@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_work import record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -50,11 +51,7 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _record(tmp_path: Path, key: str, row: dict[str, Any]) -> None:
-    out = Path(os.environ.get("LM_RESULTS_DIR", tmp_path)) / "kernels_gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows = json.loads(out.read_text()) if out.exists() else {}
-    rows[key] = {**row, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    out.write_text(json.dumps(rows, indent=1))
+    record("kernels_gpu.json", tmp_path, key, row)
 
 
 @pytest.fixture
