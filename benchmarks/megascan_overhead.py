@@ -3,9 +3,12 @@
     python benchmarks/megascan_overhead.py --out benchmarks/results/megascan.json            # 1 and 4 GPUs
     python benchmarks/megascan_overhead.py --cpu-dry-run --out /tmp/megascan.json           # plumbing only
 
-* Overhead (1 GPU and all GPUs, DP × PP): the same training alternates between no callback and
-  ``MegaScan(interval=1, window=1, granularity="stage")`` (every step traced), ``--pairs`` times, in the
-  same processes; the ratio of median step times is the overhead.
+* Overhead (1 GPU and all GPUs, DP × PP): the same training alternates between no callback,
+  ``MegaScan(interval=1, window=1, granularity="stage")`` (every step traced; GPU busy time measured in every
+  tenth window, the default) and the same with busy time in every window (``gpu_busy_every=1``), ``--pairs``
+  times, in the same processes; the ratios of median step times are the overheads. These fits run eagerly
+  (``cuda_graphs=False``): a traced step cannot be a replayed CUDA graph. On one GPU a fourth fit keeps the
+  default (the step replayed as a CUDA graph), so the report also says what tracing every step costs there.
 * Detection (4 GPUs, DP2 × PP2): ``--runs`` runs for each injected slowdown (10%, 20%, 50% on a random
   rank, ``SlowdownInjector``) and as many clean runs; each run's fit-end report is scored: a hit names the
   slowed rank with cause "compute"; any other named rank is a false alarm.
@@ -27,7 +30,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
 
@@ -47,7 +50,12 @@ FACTORS = [1.1, 1.2, 1.5]
 
 
 def fit_once(
-    spec: dict[str, Any], callbacks: list, steps: int, wrap_dataset: Any = None, wall: bool = False
+    spec: dict[str, Any],
+    callbacks: list,
+    steps: int,
+    wrap_dataset: Any = None,
+    wall: bool = False,
+    strategy_options: Optional[dict[str, Any]] = None,
 ) -> list[float]:
     """One Trainer.fit; per-step seconds (after a synchronize at both ends of each step). ``wrap_dataset``:
     applied to the training set (``scan.faults.SlowDataset``). ``wall``: the seconds from one step's end to the
@@ -80,7 +88,9 @@ def fit_once(
         accelerator=spec["accelerator"],
         devices=spec["devices"],
         precision="bf16-mixed" if spec["accelerator"] == "gpu" else "32-true",
-        strategy=MegatronAppStrategy(micro_batch_size=spec["micro_batch_size"], **spec["layout"]),
+        strategy=MegatronAppStrategy(
+            micro_batch_size=spec["micro_batch_size"], **spec["layout"], **(strategy_options or {})
+        ),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -120,17 +130,37 @@ def _worker(spec: dict[str, Any]) -> None:
     out: dict[str, Any] = {}
     steps = spec["steps"]
     if spec["phase"] == "overhead":
-        plain, traced = [], []
+        eager = {"cuda_graphs": False}
+        times: dict[str, list[float]] = {"plain": [], "traced": [], "traced_busy_every_window": []}
+        if spec["devices"] == 1:
+            times["plain_default_graphs"] = []
         for pair in range(spec["pairs"]):
-            plain += fit_once(spec, [], steps)[2:]  # the first steps warm up
-            scan = MegaScan(Path(spec["workdir"]) / f"overhead-{pair}", interval=1, window=1, detect=False)
-            traced += fit_once(spec, [scan], steps)[2:]
+            work = Path(spec["workdir"]) / f"overhead-{pair}"
+            cases = {
+                "plain": [],
+                "traced": [MegaScan(work / "traced", interval=1, window=1, detect=False)],
+                "traced_busy_every_window": [
+                    MegaScan(work / "busy", interval=1, window=1, detect=False, gpu_busy_every=1)
+                ],
+            }
+            order = list(cases) if pair % 2 == 0 else list(reversed(cases))  # alternate: spread the drift
+            for name in order:
+                times[name] += fit_once(spec, cases[name], steps, strategy_options=eager)[3:]  # warm-up, capture
+            if "plain_default_graphs" in times:
+                times["plain_default_graphs"] += fit_once(spec, [], steps)[3:]
+        median = {name: statistics.median(t) for name, t in times.items()}
         out = {
-            "plain_step_ms": 1000 * statistics.median(plain),
-            "traced_step_ms": 1000 * statistics.median(traced),
-            "overhead": statistics.median(traced) / statistics.median(plain) - 1.0,
-            "steps_each": len(plain),
+            "plain_step_ms": 1000 * median["plain"],
+            "traced_step_ms": 1000 * median["traced"],
+            "overhead": median["traced"] / median["plain"] - 1.0,
+            "traced_busy_every_window_step_ms": 1000 * median["traced_busy_every_window"],
+            "overhead_busy_every_window": median["traced_busy_every_window"] / median["plain"] - 1.0,
+            "steps_each": len(times["plain"]),
+            "note": "plain and traced fits eager (cuda_graphs=False); MegaScan's default gpu_busy_every=10",
         }
+        if "plain_default_graphs" in median:
+            out["plain_default_graphs_step_ms"] = 1000 * median["plain_default_graphs"]
+            out["traced_over_default_graphs"] = median["traced"] / median["plain_default_graphs"] - 1.0
     else:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
         chooser = random.Random(spec["seed"])

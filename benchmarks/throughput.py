@@ -6,7 +6,7 @@
     python benchmarks/throughput.py --cpu-dry-run --out /tmp/throughput.json        # tiny shapes, checks plumbing
     python benchmarks/throughput.py --only gpt-1.3b/tp2 --runners strategy-sdpa --fusion-ab   # A/B in one fit
     python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf-bf16 --repeat 3 \
-        --variants '{"": {}, "-graphs": {"strategy_options": {"cuda_graphs": true}}}'  # alternated, medians
+        --variants '{"": {}, "-eager": {"strategy_options": {"cuda_graphs": false}}}'  # alternated, medians
 
 Every case runs in its own processes (``torchrun --standalone``), one after another, so runs do not share
 memory or caches. Each reports the median step time over the measured steps (after warm-up), tokens per
@@ -24,7 +24,9 @@ over its rounds (each round kept under ``rounds``), and ``ratios_to_<baseline>``
 the two are compared on one model in one launch; both medians and the speed-up are reported.
 
 Runners:
-* ``strategy-<spec>``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule(layer_spec=<spec>)``.
+* ``strategy-<spec>``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule(layer_spec=<spec>)``, with
+  the defaults: on one GPU the step replayed as a CUDA graph, and with it the fused norms and bias gradients
+  (``cuda_graphs=False`` in ``--strategy-options`` for the eager step).
 * ``mcore-<spec>``: the same model in a hand-written megatron-core loop (``get_forward_backward_func`` +
   megatron-core DDP + megatron-core optimizer), the baseline the strategy must match (≥ 0.98×).
 * ``hf``: ``transformers``' own model (``GPT2LMHeadModel``, or ``LlamaForCausalLM`` for the Llama shape) with SDPA
@@ -623,8 +625,8 @@ def main() -> int:
         "--variants",
         type=json.loads,
         help='strategy/mcore runs under several settings in one launch: {label: {"strategy_options": ..., '
-        '"module_options": ..., "overrides": ...}}, e.g. {"": {}, "-graphs": {"strategy_options": '
-        '{"cuda_graphs": true}}}; each on top of the options above; hf runners run once per round',
+        '"module_options": ..., "overrides": ...}}, e.g. {"": {}, "-eager": {"strategy_options": '
+        '{"cuda_graphs": false}}}; each on top of the options above; hf runners run once per round',
     )
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds over every case, the order reversed every other round"

@@ -14,7 +14,14 @@ import torch
 
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.strategy.graphs import StepGraph, check_graphable_precision
+from lightning_megatron.models import GPTModule
+from lightning_megatron.models.module import MegatronLightningModule
+from lightning_megatron.strategy.graphs import (
+    StepGraph,
+    check_graphable_precision,
+    declares_graph_safe_step,
+    resolve_cuda_graphs,
+)
 from lightning_megatron.strategy.step import StepOutput
 
 
@@ -22,7 +29,7 @@ from lightning_megatron.strategy.step import StepOutput
     ("kwargs", "words"),
     [
         (dict(cuda_graphs=True, pipeline_model_parallel_size=2), ["pipeline_model_parallel_size=1", "cuda_graphs"]),
-        (dict(cuda_graphs="yes"), ["`cuda_graphs` must be true or false"]),
+        (dict(cuda_graphs="yes"), ["`cuda_graphs` must be true, false or null"]),
     ],
 )
 def test_bad_settings_fail_when_the_strategy_is_built(kwargs: dict[str, Any], words: list[str]) -> None:
@@ -36,6 +43,75 @@ def test_cuda_graphs_on_cpu_fail_before_any_process_group() -> None:
     with pytest.raises(MegatronConfigError, match="needs GPUs.*accelerator='gpu'"):
         cases.fit_gpt(1, steps=1, cuda_graphs=True)
     assert not torch.distributed.is_initialized()
+
+
+def test_cuda_graphs_unset_stay_off_on_cpu_and_pipeline_layouts_are_accepted() -> None:
+    """The default is automatic: a CPU fit (every CPU test) and a pipeline layout build and run without graphs."""
+    assert MegatronAppStrategy().cuda_graphs is None
+    assert MegatronAppStrategy(pipeline_model_parallel_size=2).cuda_graphs is None
+    out = cases.fit_gpt(1, steps=1, probe=lambda module: module.trainer.strategy.step_graph)
+    assert out["probe"] is None and len(out["loss"]) == 1
+
+
+class _OwnStep(GPTModule):
+    def forward_step(self, batch: Any, chunk: torch.nn.Module) -> Any:  # no promise made here
+        return super().forward_step(batch, chunk)
+
+
+class _OwnCapturableStep(_OwnStep):
+    graph_safe_forward_step = True
+
+    def forward_step(self, batch: Any, chunk: torch.nn.Module) -> Any:
+        return super().forward_step(batch, chunk)
+
+
+class _PromiseWithoutStep(MegatronLightningModule):
+    graph_safe_forward_step = True  # but forward_step is the base class's, which makes no promise
+
+
+@pytest.mark.parametrize(
+    ("module_cls", "declared"),
+    [(GPTModule, True), (_OwnStep, False), (_OwnCapturableStep, True), (_PromiseWithoutStep, False)],
+)
+def test_only_the_class_that_defines_forward_step_can_promise_it_is_capturable(
+    module_cls: type, declared: bool
+) -> None:
+    module = module_cls.__new__(module_cls)  # the promise is a class attribute: no need to build the model
+    assert declares_graph_safe_step(module) is declared
+
+
+@pytest.mark.parametrize(
+    ("requested", "where", "expected"),
+    [
+        (None, {}, True),  # one GPU, bf16, GPTModule: on
+        (None, {"on_cpu": True}, False),
+        (None, {"world_size": 2}, False),  # TP/DP graphs: opt-in until their two-GPU parity has run
+        (None, {"params_dtype": torch.float16}, False),
+        (None, {"module": "own step"}, False),
+        (True, {"world_size": 2}, True),
+        (True, {"module": "own step"}, True),
+        (False, {}, False),
+    ],
+)
+def test_automatic_graphs_apply_where_they_were_measured(requested: Any, where: dict[str, Any], expected: bool) -> None:
+    kwargs: dict[str, Any] = {
+        "module": GPTModule.__new__(GPTModule),
+        "on_cpu": False,
+        "world_size": 1,
+        "params_dtype": torch.bfloat16,
+        **where,
+    }
+    if kwargs["module"] == "own step":
+        kwargs["module"] = _OwnStep.__new__(_OwnStep)
+    assert resolve_cuda_graphs(requested, **kwargs) is expected
+
+
+def test_graphs_asked_for_where_they_cannot_work_are_errors() -> None:
+    module = GPTModule.__new__(GPTModule)
+    with pytest.raises(MegatronConfigError, match="needs GPUs"):
+        resolve_cuda_graphs(True, module=module, on_cpu=True, world_size=1, params_dtype=torch.float32)
+    with pytest.raises(MegatronConfigError, match="bf16-mixed"):
+        resolve_cuda_graphs(True, module=module, on_cpu=False, world_size=1, params_dtype=torch.float16)
 
 
 def test_fp16_is_refused_with_the_fix() -> None:

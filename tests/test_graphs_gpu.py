@@ -1,13 +1,16 @@
-"""``cuda_graphs=True`` on a GPU: the replayed step computes what the eager step computes.
+"""CUDA graphs on a GPU: the replayed step computes what the eager step computes.
 
 * ``StepGraph`` alone, on a small model with an optimizer outside the graph: bit-identical losses and
   parameters to the eager loop, fresh inputs each replay, one capture; a new batch shape captures again, too
   many shapes fall back to eager steps; a step that waits for the GPU is named with its file and line.
 * Real fits (subprocesses: megatron-core's global state is per process) with ``cuda_graphs`` off and on, in one
-  launch: a GPT-2-style model without dropout (losses equal to 1e-5) and a Llama-style one (RMSNorm,
-  SwiGLU, RoPE, GQA) with dropout 0.1 (the dropout streams are registered with the graph), each with
-  validation between graphed steps. With two GPUs also TP2 + SP, DP2, and DP2 with the distributed optimizer
-  and megatron-core's overlapped gradient reduction.
+  launch: a GPT-2-style model without dropout (losses equal to 1e-5; also with ``cuda_graphs`` unset, which
+  on one GPU means on) and a Llama-style one (RMSNorm, SwiGLU, RoPE, GQA) with dropout 0.1 (the dropout
+  streams are registered with the graph), each with validation between graphed steps. With two GPUs also
+  TP2 + SP, DP2, and DP2 with the distributed optimizer and megatron-core's overlapped gradient reduction.
+* Automatic graphs with steps that cannot be captured (a host sync; the legacy stream waiting on the capture):
+  one warning,
+  the fit goes on eagerly and matches the eager fit.
 
 ``LM_RESULTS_DIR``: where the losses go (``graphs_gpu.json``).
 """
@@ -122,6 +125,8 @@ def test_a_new_shape_captures_a_new_graph_and_too_many_shapes_run_eagerly() -> N
 
 
 def test_a_step_that_waits_for_the_gpu_is_named_before_the_capture() -> None:
+    """Strict (graphs asked for): an error naming the place. Not strict (automatic): one warning naming it, the
+    checked step's result (it ran), and eager steps from then on."""
     from lightning_megatron.errors import MegatronConfigError
     from lightning_megatron.strategy.graphs import StepGraph
     from lightning_megatron.strategy.step import StepOutput
@@ -142,29 +147,135 @@ def test_a_step_that_waits_for_the_gpu_is_named_before_the_capture() -> None:
             graph(run, [x])
     finally:
         graph.close()
+    graph = StepGraph(warmup_steps=1, strict=False)
+    graph.open()
+    try:
+        with pytest.warns(UserWarning, match=r"cuda_graphs \(automatic\).*test_graphs_gpu.py:\d+"):
+            out = graph(run, [x])
+        assert torch.equal(out.loss, run([x]).loss)
+        assert graph(run, [x]).loss.item() == out.loss.item() and (graph.captures, graph.replays) == (0, 0)
+        assert "waits for the GPU" in graph.gave_up_because
+    finally:
+        graph.close()
+
+
+def _cross_stream_blocks_are_reused() -> bool:
+    """Whether the caching allocator recycles blocks used on a second stream: it does not while it counts a capture
+    as underway (it may not query their events then), which a failed capture used to leave behind for good."""
+    side, block = torch.cuda.Stream(), 64 * 2**20
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    for _ in range(8):
+        t = torch.empty(block, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(side):
+            t.add_(1)
+        t.record_stream(side)
+        del t
+        torch.cuda.synchronize()  # the block's use on the side stream is over: the next allocation may take it
+    return torch.cuda.memory_reserved() - before < 4 * block
+
+
+def test_a_capture_that_fails_is_an_error_or_a_step_to_run_again() -> None:
+    """The legacy default stream waiting on the step's stream passes the sync check but breaks the capture (the
+    legacy stream may not depend on a capturing one: what autograd did before the step got a stream of its own,
+    ``StepGraph.open``). Strict: an error naming the place. Not strict: ``StepNotRun`` after one warning (the
+    caller runs that step eagerly), then eager steps. After the abandoned capture the CUDA context, the random
+    generators registered with it and the caching allocator work (``compat/graph_capture.py``)."""
+    from lightning_megatron.errors import MegatronConfigError
+    from lightning_megatron.strategy.graphs import StepGraph, StepNotRun
+    from lightning_megatron.strategy.step import StepOutput
+
+    x = torch.randn(16, device="cuda")
+
+    def run(microbatches: Any) -> StepOutput:
+        # Not a host sync (the sync check passes it), but the legacy stream may not depend on a capturing stream.
+        torch.cuda.default_stream().wait_stream(torch.cuda.current_stream())
+        loss = microbatches[0].sum()
+        return StepOutput(loss=loss, loss_sum=loss, num_tokens=loss)
+
+    for strict in (True, False):
+        graph = StepGraph(warmup_steps=1, strict=strict)
+        graph.open()
+        try:
+            graph(run, [x])  # the warm-up step: the sync check finds nothing
+            if strict:
+                with pytest.raises(MegatronConfigError, match=r"capturing the training step.*test_graphs_gpu.py:\d+"):
+                    graph(run, [x])
+            else:
+                with pytest.warns(UserWarning, match=r"cuda_graphs \(automatic\): capturing"):
+                    with pytest.raises(StepNotRun):
+                        graph(run, [x])
+                assert graph(run, [x]).loss.item() == pytest.approx(x.sum().item(), rel=1e-6)
+                assert graph.captures == 0 and "capturing the training step" in graph.gave_up_because
+            # The default generator was registered with the abandoned capture: eager dropout still draws.
+            assert 0 < torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5).count_nonzero() < 4096
+            assert _cross_stream_blocks_are_reused(), "the allocator still thinks a capture is underway"
+        finally:
+            graph.close()
 
 
 _FIT = r"""""
-import json, sys, time
+import json, sys, time, warnings
+import torch
 sys.path.insert(0, "tests")
 from cases import fit_gpt
-graphs = sys.argv[1] == "on"
+from lightning_megatron.models import GPTModule
+setting, module_name = sys.argv[1], sys.argv[4]
 model = json.loads(sys.argv[2])
 extra = json.loads(sys.argv[3])
 
+
+class WaitsForGPU(GPTModule):
+    graph_safe_forward_step = True  # a wrong promise: the loss is read on the host
+
+    def forward_step(self, batch, chunk):
+        output, loss_fn = super().forward_step(batch, chunk)
+
+        def loss(out):
+            loss_sum, tokens = loss_fn(out)
+            if tokens < 0:  # a Python `if` on a GPU tensor: the host waits for the GPU
+                raise ValueError("negative token count")
+            return loss_sum, tokens
+
+        return output, loss
+
+
+class UsesLegacyStream(GPTModule):
+    graph_safe_forward_step = True  # a wrong promise: the legacy default stream may not wait on a capture
+
+    def forward_step(self, batch, chunk):
+        torch.cuda.default_stream().wait_stream(torch.cuda.current_stream())
+        return super().forward_step(batch, chunk)
+
+
+MODULES = {"gpt": GPTModule, "waits": WaitsForGPU, "legacy_stream": UsesLegacyStream}
+if setting != "auto":
+    extra["cuda_graphs"] = setting == "on"
+
 def probe(module):
     graph = module.trainer.strategy.step_graph
-    return None if graph is None else {"captures": graph.captures, "replays": graph.replays}
+    if graph is None:
+        return None
+    return {"captures": graph.captures, "replays": graph.replays, "gave_up_because": graph.gave_up_because}
 
 start = time.perf_counter()
-out = fit_gpt(extra.pop("devices", 1), steps=10, precision="bf16-mixed", accelerator="gpu", model=model, probe=probe,
-              data={"vocab_size": model["vocab_size"], "seq_length": model["seq_length"], "global_batch_size": 8},
-              trainer={"limit_val_batches": 2, "val_check_interval": 5}, cuda_graphs=graphs, **extra)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = fit_gpt(extra.pop("devices", 1), steps=10, precision="bf16-mixed", accelerator="gpu", model=model,
+                  probe=probe, module_cls=MODULES[module_name],
+                  data={"vocab_size": model["vocab_size"], "seq_length": model["seq_length"], "global_batch_size": 8},
+                  trainer={"limit_val_batches": 2, "val_check_interval": 5}, **extra)
+notes = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
 print("RESULT", json.dumps({"loss": out["loss"], "val_loss": out["val_loss"], "graph": out["probe"],
-                            "seconds": time.perf_counter() - start}))
+                            "warnings": notes, "seconds": time.perf_counter() - start}))
 """
 
-GPT2_STYLE = dict(vocab_size=1024, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=4, lr=1e-3)
+# The fused kernels are pinned off: with graphs they would be on by default, and the comparison with the eager fit
+# (which keeps them off) is about the graph. test_kernels_gpu.py compares fused and unfused fits, both graphed.
+UNFUSED = dict(fused_norms=False, fused_bias_grad=False, fused_residual_norm=False)
+GPT2_STYLE = dict(
+    vocab_size=1024, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=4, lr=1e-3, **UNFUSED
+)
 LLAMA_STYLE = dict(
     vocab_size=1024,
     seq_length=128,
@@ -180,14 +291,19 @@ LLAMA_STYLE = dict(
     hidden_dropout=0.1,
     attention_dropout=0.1,
     lr=1e-3,
+    **UNFUSED,
 )
+REPLAYED = {"captures": 1, "replays": 8, "gave_up_because": None}
+"""Ten steps: two eager warm-up steps, the capture at the third (replayed at once: that is how the captured step
+computes), replays for the other seven. Validation after the fifth runs eagerly and keeps the graph."""
 
 
-def _fits(model: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def _fits(model: dict[str, Any], extra: dict[str, Any], runs: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """One subprocess fit per entry of ``runs``: name -> (cuda_graphs setting "off"/"on"/"auto", module)."""
     results = {}
-    for setting in ("off", "on"):
+    for name, (setting, module) in runs.items():
         done = subprocess.run(
-            [sys.executable, "-c", _FIT, setting, json.dumps(model), json.dumps(extra)],
+            [sys.executable, "-c", _FIT, setting, json.dumps(model), json.dumps(extra), module],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -195,7 +311,7 @@ def _fits(model: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         assert done.returncode == 0 and lines, done.stderr[-4000:]
-        results[setting] = json.loads(lines[-1][len("RESULT ") :])
+        results[name] = json.loads(lines[-1][len("RESULT ") :])
     return results
 
 
@@ -204,25 +320,52 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 def test_gpt2_style_fit_without_dropout_matches_eager(tmp_path: Path) -> None:
-    results = _fits(GPT2_STYLE, {})
-    off, on = results["off"], results["on"]
-    results["max_rel_loss_diff"] = _max_rel(on["loss"], off["loss"])
-    results["max_rel_val_loss_diff"] = _max_rel(on["val_loss"], off["val_loss"])
+    """Graphs asked for, and by default (one GPU, ``GPTModule``): the same graph, the eager losses."""
+    results = _fits(GPT2_STYLE, {}, {"off": ("off", "gpt"), "on": ("on", "gpt"), "default": ("auto", "gpt")})
+    off, on, default = results["off"], results["on"], results["default"]
+    for name in ("on", "default"):
+        results[f"max_rel_loss_diff_{name}"] = _max_rel(results[name]["loss"], off["loss"])
+        results[f"max_rel_val_loss_diff_{name}"] = _max_rel(results[name]["val_loss"], off["val_loss"])
     _record(tmp_path, "fit/gpt2-style-bf16", results)
-    assert off["graph"] is None and on["graph"] == {"captures": 1, "replays": 8}
+    assert off["graph"] is None and on["graph"] == REPLAYED and default["graph"] == REPLAYED
     assert len(on["loss"]) == 10 and len(on["val_loss"]) == 2
-    assert results["max_rel_loss_diff"] < 1e-5 and results["max_rel_val_loss_diff"] < 1e-5, results
+    assert default["loss"] == on["loss"] and not default["warnings"]
+    assert results["max_rel_loss_diff_on"] < 1e-5 and results["max_rel_val_loss_diff_on"] < 1e-5, results
 
 
 def test_llama_style_fit_with_dropout_draws_fresh_masks(tmp_path: Path) -> None:
-    results = _fits(LLAMA_STYLE, {})
+    results = _fits(LLAMA_STYLE, {}, {"off": ("off", "gpt"), "on": ("on", "gpt")})
     off, on = results["off"], results["on"]
     results["max_rel_loss_diff"] = _max_rel(on["loss"], off["loss"])
     _record(tmp_path, "fit/llama-style-dropout-bf16", results)
-    assert on["graph"] == {"captures": 1, "replays": 8}
+    assert on["graph"] == REPLAYED
     # The same seeds: a graph replaying one frozen dropout mask, or stale inputs, would drift from the eager fit.
     assert results["max_rel_loss_diff"] < 1e-2, results
     assert on["loss"][-1] < on["loss"][0]
+
+
+def test_by_default_a_step_that_cannot_be_captured_warns_and_trains_eagerly(tmp_path: Path) -> None:
+    """Automatic graphs with a module whose promise is wrong. A step that waits for the GPU is found by the
+    sync check (the step it checks has run: nothing to redo); the legacy stream waiting on the step fails the capture
+    itself (nothing of that step ran: the strategy clears the gradients and runs it eagerly). Either way one
+    warning names the place, and the fit matches the eager one; after the failed capture the dropout streams
+    (registered with the abandoned graph) go on drawing."""
+    waits = _fits(GPT2_STYLE, {}, {"off": ("off", "waits"), "default": ("auto", "waits")})
+    legacy = _fits(LLAMA_STYLE, {}, {"off": ("off", "legacy_stream"), "default": ("auto", "legacy_stream")})
+    results = {"waits": waits, "legacy_stream": legacy}
+    results["waits"]["max_rel_loss_diff"] = _max_rel(waits["default"]["loss"], waits["off"]["loss"])
+    results["legacy_stream"]["max_rel_loss_diff"] = _max_rel(legacy["default"]["loss"], legacy["off"]["loss"])
+    _record(tmp_path, "fit/automatic-fallback-bf16", results)
+    for run, place in ((waits["default"], "waits for the GPU"), (legacy["default"], "capturing the training step")):
+        graph = run["graph"]
+        assert graph is not None and graph["captures"] == 0 and graph["replays"] == 0, run
+        assert place in graph["gave_up_because"], graph
+        assert len(run["warnings"]) == 1 and "cuda_graphs (automatic)" in run["warnings"][0], run["warnings"]
+        assert len(run["loss"]) == 10 and len(run["val_loss"]) == 2
+    assert "<string>:" in waits["default"]["graph"]["gave_up_because"]  # the subprocess's module: file and line named
+    assert results["waits"]["max_rel_loss_diff"] < 1e-5, results
+    assert results["legacy_stream"]["max_rel_loss_diff"] < 1e-2, results
+    assert legacy["default"]["loss"][-1] < legacy["default"]["loss"][0]
 
 
 TWO_GPU_LAYOUTS = {
@@ -237,8 +380,8 @@ TWO_GPU_LAYOUTS = {
 def test_two_gpu_fit_matches_eager(layout: str, tmp_path: Path) -> None:
     """Collectives inside the graph: tensor-parallel all-gathers and reduce-scatters, the data-parallel gradient
     all-reduce, and megatron-core's overlapped reduce-scatter on its own stream."""
-    results = _fits(GPT2_STYLE, {"devices": 2, **TWO_GPU_LAYOUTS[layout]})
+    results = _fits(GPT2_STYLE, {"devices": 2, **TWO_GPU_LAYOUTS[layout]}, {"off": ("off", "gpt"), "on": ("on", "gpt")})
     results["max_rel_loss_diff"] = _max_rel(results["on"]["loss"], results["off"]["loss"])
     _record(tmp_path, f"fit/gpt2-style-{layout}-bf16", results)
-    assert results["on"]["graph"] == {"captures": 1, "replays": 8}
+    assert results["on"]["graph"] == REPLAYED
     assert results["max_rel_loss_diff"] < 1e-5, results

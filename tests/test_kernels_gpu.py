@@ -17,7 +17,9 @@ The fused bias-dropout-add + norm (``residual_norm``) is checked the same way ag
 bias-dropout-add followed by ATen's norm, with gradients into both outputs.
 
 Fit: a small GPT-2-style GPTModule (LayerNorm, biases, the fused tanh bias-GeLU) trained in bf16 on one GPU with
-``fused_norms``, ``fused_bias_grad`` and ``fused_residual_norm`` on gives the unfused losses within bf16 tolerance (2e-2 relative per step).
+``fused_norms``, ``fused_bias_grad`` and ``fused_residual_norm`` on gives the unfused losses within bf16 tolerance
+(2e-2 relative per step), each step replayed as a CUDA graph (one GPU's default); with the three unset the fused
+kernels are on there too.
 
 ``LM_RESULTS_DIR``: where the errors and times go (``kernels_gpu.json``).
 """
@@ -113,28 +115,37 @@ import json, sys
 sys.path.insert(0, "tests")
 from cases import fit_gpt
 from test_kernels import fused_modules
-fused = sys.argv[1] == "on"
 model = dict(vocab_size=512, seq_length=128, num_layers=2, hidden_size=256, num_attention_heads=4,
-             activation="gelu_tanh", lr=1e-3, fused_norms=fused, fused_bias_grad=fused,
-             fused_residual_norm=fused)
-out = fit_gpt(1, steps=6, precision="bf16-mixed", accelerator="gpu", model=model, probe=fused_modules,
+             activation="gelu_tanh", lr=1e-3)
+if sys.argv[1] != "default":  # unset: on, since one GPU replays the step as a CUDA graph by default
+    fused = sys.argv[1] == "on"
+    model.update(fused_norms=fused, fused_bias_grad=fused, fused_residual_norm=fused)
+
+def probe(module):
+    return {"fused": fused_modules(module), "graphed": module.trainer.strategy.step_graph.replays > 0}
+
+out = fit_gpt(1, steps=6, precision="bf16-mixed", accelerator="gpu", model=model, probe=probe,
               data={"vocab_size": 512, "seq_length": 128})
 print("RESULT", json.dumps({"loss": out["loss"], "grad_norm": out["grad_norm"], "probe": out["probe"]}))
 """
 
 
 def test_fit_bf16_with_fused_kernels_matches_unfused(tmp_path: Path) -> None:
+    """Every fit's step is replayed as a CUDA graph (one GPU's default), the kernels captured in it; with the
+    flags unset the fused kernels are on there, and that fit is the fused one, bit for bit."""
     results = {}
-    for setting in ("off", "on"):
+    for setting in ("off", "on", "default"):
         done = subprocess.run(
             [sys.executable, "-c", _FIT, setting], cwd=ROOT, capture_output=True, text=True, timeout=600
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         assert done.returncode == 0 and lines, done.stderr[-4000:]
         results[setting] = json.loads(lines[-1][len("RESULT ") :])
-    assert results["on"]["probe"] == {"norms": 5, "qkv": 2, "mlp": 2, "bda": 2, "residual_norm": 4, "missed": 0}
-    assert results["off"]["probe"] == {"norms": 0, "qkv": 0, "mlp": 0, "bda": 0, "residual_norm": 0, "missed": 0}
+    fused = {"norms": 5, "qkv": 2, "mlp": 2, "bda": 2, "residual_norm": 4, "missed": 0}
+    assert results["on"]["probe"] == results["default"]["probe"] == {"fused": fused, "graphed": True}
+    assert results["off"]["probe"] == {"fused": dict.fromkeys(fused, 0), "graphed": True}
     _record(tmp_path, "fit/gpt2-style-bf16", results)
+    assert results["default"]["loss"] == results["on"]["loss"]
     for off, on in zip(results["off"]["loss"], results["on"]["loss"]):
         assert on == pytest.approx(off, rel=2e-2), results
 

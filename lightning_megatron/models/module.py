@@ -38,6 +38,12 @@ class MegatronLightningModule(pl.LightningModule):
     """One entry per virtual pipeline stage of this rank (a single entry without virtual stages), set by
     ``configure_model``. (Annotation only: a class-level default would shadow the registered submodule.)"""
 
+    graph_safe_forward_step: bool = False
+    """Set ``True`` in the class that defines ``forward_step`` when the step only queues GPU work (no ``.item()``,
+    no host copies, no per-call Python side effects): on one GPU the strategy then replays the training step as
+    a CUDA graph by default (``MegatronAppStrategy(cuda_graphs=None)``). A subclass overriding ``forward_step``
+    makes its own promise; ``cuda_graphs=True`` captures without one."""
+
     # -- what subclasses implement --------------------------------------------------------------
     def build_chunk(self, stage: StageSpec) -> torch.nn.Module:
         """Build the model chunk of ``stage`` (a megatron-core module with ``set_input_tensor``)."""

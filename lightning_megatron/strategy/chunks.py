@@ -11,7 +11,7 @@ pipeline-communication settings).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -23,7 +23,7 @@ from lightning_megatron.compat.megatron import batched_p2p_is_safe
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.strategy.parallel import ParallelLayout
 
-__all__ = ["install_config_hooks", "unwrap", "validated_chunks", "wrap_ddp"]
+__all__ = ["ddp_options", "install_config_hooks", "unwrap", "validated_chunks", "wrap_ddp"]
 
 _NOT_CHECKED = ("use_cpu_initialization", "calculate_per_token_loss", "attention_softmax_in_fp32")
 """Config fields the strategy sets itself or that may differ from ``config_kwargs()`` without harm."""
@@ -71,6 +71,22 @@ def _check_config(config: Any, expected: Mapping[str, Any]) -> None:
             f"The model chunks were built with a config that disagrees with the strategy: {details}. Build the "
             "TransformerConfig with **self.parallel.config_kwargs()."
         )
+
+
+def ddp_options(named: Mapping[str, Any], ddp_config: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The DDP fields: the strategy's named arguments, then ``ddp_config``'s further ones (checked when the
+    strategy is built; megatron-core checks the names at :func:`wrap_ddp`)."""
+    if named.get("overlap_param_gather") and not named.get("use_distributed_optimizer"):
+        raise MegatronConfigError(
+            "`overlap_param_gather=True` overlaps the distributed optimizer's parameter all-gather; set "
+            "`use_distributed_optimizer=True` too, or leave it off."
+        )
+    for key in ddp_config or {}:
+        if key in named:
+            raise MegatronConfigError(
+                f"ddp_config[{key!r}] duplicates the strategy argument of that name; use the argument."
+            )
+    return {**named, **(ddp_config or {})}
 
 
 def wrap_ddp(chunks: Sequence[torch.nn.Module], ddp_kwargs: Mapping[str, Any]) -> list[torch.nn.Module]:

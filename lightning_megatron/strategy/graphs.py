@@ -20,8 +20,11 @@ Contract:
   shapes are taken to vary on purpose and every later step runs eagerly, with one warning.
 * What ``run`` does must be capturable: GPU work only, no host synchronisation (``.item()``, host copies),
   no tensors that change address between steps (parameters, ``main_grad`` buffers and optimizer state
-  keep theirs). A capture that fails raises :class:`MegatronConfigError` naming the cause and
-  ``cuda_graphs``. Host-side effects of ``run`` (hooks, logging) happen once, at capture, not per replay.
+  keep theirs). Host-side effects of ``run`` (hooks, logging) happen once, at capture, not per replay.
+* ``strict=True`` (the user asked for graphs): a step that cannot be captured raises
+  :class:`MegatronConfigError` naming the cause and ``cuda_graphs``. ``strict=False`` (graphs chosen
+  automatically): it warns once and every later step runs eagerly; when the failed step's work did not run
+  (a failed capture), :class:`StepNotRun` tells the caller to run it again eagerly.
 * megatron-core's tensor-parallel RNG streams are registered with the graph, so dropout draws fresh
   numbers on every replay. That needs the graph-safe tracker (``use_cudagraphable_rng``), which the
   strategy seeds when graphs are on.
@@ -36,6 +39,7 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -44,18 +48,31 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_megatron.compat.graph_capture import capturing
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.strategy.step import StepOutput
 
-__all__ = ["StepGraph", "check_cuda_graphs", "check_graphable_precision"]
+__all__ = [
+    "StepGraph",
+    "StepNotRun",
+    "check_cuda_graphs",
+    "check_graphable_precision",
+    "declares_graph_safe_step",
+    "resolve_cuda_graphs",
+]
 
 StepFn = Callable[[Sequence[Any]], StepOutput]
+
+
+class StepNotRun(RuntimeError):
+    """A non-strict step graph gave up while capturing: the step's work did not run. Clear the gradients and
+    run the step eagerly (later calls run eagerly by themselves)."""
 
 
 class StepGraph:
     """One fit's step graph: warm-up, capture, replay, re-capture on a new signature (the module's contract)."""
 
-    def __init__(self, warmup_steps: int = 2, max_captures: int = 4) -> None:
+    def __init__(self, warmup_steps: int = 2, max_captures: int = 4, *, strict: bool = True) -> None:
         if warmup_steps < 1:
             raise MegatronConfigError(
                 f"StepGraph(warmup_steps={warmup_steps}): at least one eager step must run before the capture "
@@ -63,6 +80,8 @@ class StepGraph:
             )
         self.warmup_steps = warmup_steps
         self.max_captures = max_captures
+        self.strict = strict
+        self.gave_up_because: Optional[str] = None  # why a non-strict graph stopped capturing (tests, the benchmark)
         self.captures = 0  # graphs captured so far (tests, the benchmark)
         self.replays = 0
         self.eager_steps_by_caller = 0  # steps the caller ran without the graph (MegaScan tracing)
@@ -114,8 +133,18 @@ class StepGraph:
                 self._eager_steps += 1
                 if self._eager_steps < self.warmup_steps:
                     return run(microbatches)
-                return _run_checking_syncs(run, microbatches)  # the last eager step: fail here, with the places
-            self._capture(run, microbatches)
+                out, places = _run_checking_syncs(run, microbatches)  # the last eager step: find the places here
+                if places:
+                    self._give_up(
+                        "the training step waits for the GPU from the host (an .item(), a Python `if` on a GPU "
+                        "tensor, a copy to the host), which a CUDA graph cannot capture, at: " + ", ".join(places)
+                    )
+                return out
+            try:
+                self._capture(run, microbatches)
+            except _CaptureFailed as failure:
+                self._give_up(str(failure), cause=failure.__cause__)
+                raise StepNotRun(str(failure)) from failure.__cause__
         else:
             for static, new in zip(self._static_inputs, _tensors(microbatches)):
                 static.copy_(new, non_blocking=True)
@@ -126,10 +155,26 @@ class StepGraph:
         return StepOutput(loss=out.loss.clone(), loss_sum=out.loss_sum.clone(), num_tokens=out.num_tokens.clone())
 
     def note_eager_step(self, why: str) -> None:
-        """The caller ran a step without the graph; say so once (a user who asked for graphs should know)."""
+        """The caller ran a step without the graph; say so once if the user asked for graphs."""
         self.eager_steps_by_caller += 1
-        if self.eager_steps_by_caller == 1:
+        if self.eager_steps_by_caller == 1 and self.strict:
             rank_zero_warn(f"cuda_graphs=True: {why}, so it runs eagerly (without the CUDA graph).")
+
+    def _give_up(self, why: str, cause: Optional[BaseException] = None) -> None:
+        """Strict: raise, naming the fix. Otherwise: warn once; this fit's later steps run eagerly."""
+        if self.strict:
+            raise MegatronConfigError(
+                f"cuda_graphs=True: {why}. Change that place, or set MegatronAppStrategy(cuda_graphs=False)."
+            ) from cause
+        self._gave_up = True
+        self.gave_up_because = why
+        self.reset()
+        torch.cuda.empty_cache()  # the graph's pool: the eager steps from here on need that memory
+        rank_zero_warn(
+            f"cuda_graphs (automatic): {why}. The fit goes on without CUDA graphs. Set "
+            "MegatronAppStrategy(cuda_graphs=False) to skip the attempt, or change that place to replay the step "
+            "as one graph (faster where the host is the bottleneck)."
+        )
 
     def reset(self) -> None:
         """Free the graph, its memory pool and the static inputs; the next step warms up again."""
@@ -148,33 +193,37 @@ class StepGraph:
         static = _clone_tree(microbatches)
         self._static_inputs = list(_tensors(static))
         graph = torch.cuda.CUDAGraph()
-        for generator in _tracker_generators():
+        trackers = _tracker_generators()
+        for generator in trackers:
             graph.register_generator_state(generator)
         torch.cuda.synchronize()
         try:
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+            with capturing(graph, self._stream, trackers):  # a failed capture leaves nothing behind
                 output = run(static)
-        except Exception as error:  # the capture is ended by torch.cuda.graph's __exit__; say what to do
+        except Exception as error:  # say where it failed and what to do
             self.reset()
             first = error
             while first.__context__ is not None:  # the first failure; later ones only say the capture is invalid
                 first = first.__context__  # type: ignore[assignment]
-            raise MegatronConfigError(
-                f"cuda_graphs=True: capturing the training step as a CUDA graph failed at {_where(first)}: "
+            raise _CaptureFailed(
+                f"capturing the training step as a CUDA graph failed at {_where(first)}: "
                 f"{str(first).splitlines()[0] if str(first) else repr(first)}. A captured step may only queue GPU "
-                "work: no host synchronisation, no host-to-GPU copy, no CPU tensor moved to the GPU. Change that "
-                "place, or set MegatronAppStrategy(cuda_graphs=False)."
+                "work: no host synchronisation, no host-to-GPU copy, no CPU tensor moved to the GPU"
             ) from error
         self._graph, self._static_output = graph, output
         self.captures += 1
 
 
-def check_cuda_graphs(enabled: Any, *, pipeline: int) -> bool:
+class _CaptureFailed(Exception):
+    """The capture raised; the message says where (the cause is the original error)."""
+
+
+def check_cuda_graphs(enabled: Any, *, pipeline: int) -> Optional[bool]:
     """The strategy's ``cuda_graphs`` argument, checked when the strategy is built (before any process starts)."""
-    if not isinstance(enabled, bool):
-        raise MegatronConfigError(f"`cuda_graphs` must be true or false, got {enabled!r}.")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise MegatronConfigError(f"`cuda_graphs` must be true, false or null (automatic), got {enabled!r}.")
     if not enabled:
-        return False
+        return enabled
     if pipeline > 1:
         raise MegatronConfigError(
             f"cuda_graphs=True with pipeline_model_parallel_size={pipeline}: the step graph covers one rank's "
@@ -185,6 +234,41 @@ def check_cuda_graphs(enabled: Any, *, pipeline: int) -> bool:
     return True
 
 
+def resolve_cuda_graphs(
+    requested: Optional[bool], *, module: Any, on_cpu: bool, world_size: int, params_dtype: torch.dtype
+) -> bool:
+    """Whether this fit replays its step as a CUDA graph. ``True``/``False`` are the user's; ``None`` (automatic)
+    turns graphs on where they were measured faster and checked against the eager step: one GPU, bf16 or fp32,
+    and a module that declares its ``forward_step`` capturable (:func:`declares_graph_safe_step`; ``GPTModule``
+    does). Tensor and data parallelism replay collectives inside the graph; they stay opt-in until their parity
+    tests have run on two GPUs (``tests/test_graphs_gpu.py``). Asked for where it cannot work: an error."""
+    if requested is True:
+        if on_cpu:
+            raise MegatronConfigError(
+                "cuda_graphs=True replays CUDA graphs and needs GPUs, but the Trainer runs on CPU. Use "
+                "accelerator='gpu', or leave cuda_graphs unset."
+            )
+        check_graphable_precision(params_dtype)
+        return True
+    return (
+        requested is None
+        and not on_cpu
+        and world_size == 1
+        and params_dtype != torch.float16
+        and declares_graph_safe_step(module)
+    )
+
+
+def declares_graph_safe_step(module: Any) -> bool:
+    """Whether the class that defines ``module.forward_step`` also sets ``graph_safe_forward_step = True``: its
+    forward step only queues GPU work and has no per-call host effects. A subclass that overrides
+    ``forward_step`` does not inherit the promise; it makes its own."""
+    for klass in type(module).__mro__:
+        if "forward_step" in vars(klass):
+            return vars(klass).get("graph_safe_forward_step", False) is True
+    return False
+
+
 def check_graphable_precision(params_dtype: torch.dtype) -> None:
     if params_dtype == torch.float16:
         raise MegatronConfigError(
@@ -193,9 +277,9 @@ def check_graphable_precision(params_dtype: torch.dtype) -> None:
         )
 
 
-def _run_checking_syncs(run: StepFn, microbatches: Sequence[Any]) -> StepOutput:
-    """``run`` under torch's CUDA sync debug mode: a step that waits for the GPU cannot be captured, and here
-    the error can say where it waits (a capture only says that it failed)."""
+def _run_checking_syncs(run: StepFn, microbatches: Sequence[Any]) -> tuple[StepOutput, list[str]]:
+    """``run`` under torch's CUDA sync debug mode, and the places (file:line) where it waited for the GPU: such
+    a step cannot be captured, and here the error can say where it waits (a capture only says that it failed)."""
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -210,19 +294,15 @@ def _run_checking_syncs(run: StepFn, microbatches: Sequence[Any]) -> StepOutput:
             places.append(f"{warning.filename}:{warning.lineno}")
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    if places:
-        raise MegatronConfigError(
-            "cuda_graphs=True: the training step waits for the GPU from the host (an .item(), a Python `if` on a "
-            "GPU tensor, a copy to the host), which a CUDA graph cannot capture, at: "
-            + ", ".join(dict.fromkeys(places))
-            + ". Change those places to stay on the GPU, or set MegatronAppStrategy(cuda_graphs=False)."
-        )
-    return out
+    return out, list(dict.fromkeys(places))
 
 
 def _where(error: BaseException) -> str:
+    """The innermost place outside torch's own files: the line that called what failed."""
     frames = traceback.extract_tb(error.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else "an unknown place"
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    outside = [frame for frame in frames if not frame.filename.startswith(torch_dir)] or frames
+    return f"{outside[-1].filename}:{outside[-1].lineno} ({outside[-1].name})" if outside else "an unknown place"
 
 
 def _tracker_generators() -> list[torch.Generator]:

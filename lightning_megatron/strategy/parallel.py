@@ -3,7 +3,8 @@
 ``ParallelLayout`` is pure data, validated against the world size before any process group is made.
 ``ParallelContext`` is built from megatron-core's ``parallel_state`` after initialization; the
 LightningModule reads it (as ``self.parallel``) to build the model chunks of its own pipeline stage,
-the way Lightning's ``ModelParallelStrategy`` hands modules a ``device_mesh``.
+the way Lightning's ``ModelParallelStrategy`` hands modules a ``device_mesh``. ``seed_parallel_rngs``
+seeds the random streams the layout needs, once the groups exist.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["ParallelLayout", "ParallelContext", "StageSpec"]
+__all__ = ["ParallelLayout", "ParallelContext", "StageSpec", "seed_parallel_rngs"]
 
 
 @dataclass(frozen=True)
@@ -162,3 +163,15 @@ class ParallelContext:
             # global token count once, which makes the loss exact across microbatches and replicas.
             "calculate_per_token_loss": True,
         }
+
+
+def seed_parallel_rngs(base_seed: int, *, graph_safe: bool) -> None:
+    """Seed torch and megatron-core's tensor-parallel RNG tracker as Megatron-LM does: pipeline stages get
+    distinct dropout streams; tensor-parallel ranks get distinct streams inside TP regions and equal ones
+    outside. ``graph_safe``: the tracker's generators are ones a CUDA graph can register (the step graph
+    replays dropout with fresh numbers); a tracker of the other kind is replaced."""
+    seed = base_seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    reset = getattr(tracker, "use_cudagraphable_rng", False) != graph_safe
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe, force_reset_rng=reset)

@@ -30,7 +30,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
 from torch import Tensor
@@ -44,7 +44,7 @@ from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSessio
 from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO, drop_unused_callback_states
-from lightning_megatron.strategy.chunks import install_config_hooks, unwrap, validated_chunks, wrap_ddp
+from lightning_megatron.strategy.chunks import ddp_options, install_config_hooks, unwrap, validated_chunks, wrap_ddp
 from lightning_megatron.strategy.collectives import (
     barrier,
     broadcast_object,
@@ -52,11 +52,16 @@ from lightning_megatron.strategy.collectives import (
     gather_tensor,
     reduce_tensor,
 )
-from lightning_megatron.strategy.graphs import StepGraph, check_cuda_graphs, check_graphable_precision
+from lightning_megatron.strategy.graphs import (
+    StepGraph,
+    StepNotRun,
+    check_cuda_graphs,
+    resolve_cuda_graphs,
+)
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader, TimersDispatcher
 from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
-from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout
+from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout, seed_parallel_rngs
 from lightning_megatron.strategy.precision import MegatronPrecision, from_lightning_plugin
 from lightning_megatron.strategy.release import collect_previous_fits, release_training_state
 from lightning_megatron.strategy.step import StepOutput, run_forward_backward
@@ -100,9 +105,10 @@ class MegatronAppStrategy(ParallelStrategy):
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
         cuda_graphs: Replay the training step (forwards, backwards, gradient reduction, loss) as one CUDA graph
-            captured after two eager steps (:mod:`lightning_megatron.strategy.graphs`), for models too small to
-            keep a GPU busy from Python. GPUs, ``pipeline_model_parallel_size=1``, bf16/fp32, fixed shapes;
-            validation and steps MegaScan traces run eagerly.
+            captured after two eager steps (:mod:`lightning_megatron.strategy.graphs`). GPUs, PP 1, bf16/fp32,
+            fixed shapes; validation and steps MegaScan or MegaScope look into run eagerly. ``None`` (default):
+            on for one-GPU fits of modules that declare their step capturable (``GPTModule``), else off; a step
+            that cannot be captured warns once and runs eagerly. ``True``: also at TP/DP, and such a step is an error.
         ddp_config: Further ``megatron.core.distributed.DistributedDataParallelConfig`` fields.
         optimizer_config: Further ``megatron.core.optimizer.OptimizerConfig`` fields (loss-scaling
             knobs, CPU offload, ...). Optimizer type and hyperparameters come from
@@ -133,7 +139,7 @@ class MegatronAppStrategy(ParallelStrategy):
         tp_comm_overlap_chunks: int = 2,
         ddp_bucket_size: Optional[int] = None,
         deallocate_pipeline_outputs: bool = True,
-        cuda_graphs: bool = False,
+        cuda_graphs: Optional[bool] = None,
         ddp_config: Optional[dict[str, Any]] = None,
         optimizer_config: Optional[dict[str, Any]] = None,
         seed: Optional[int] = None,
@@ -166,12 +172,8 @@ class MegatronAppStrategy(ParallelStrategy):
         self.schedule_options = self.schedule.options(schedule_options)
         self._session: Optional[ScheduleSession] = None  # opened on the first step, closed at teardown
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, pipeline=self.layout.pipeline)
+        self._graphs = False  # whether this run replays steps as graphs: resolved in setup_environment
         self._step_graph: Optional[StepGraph] = None  # made for a fit on GPUs, closed at teardown (counters kept)
-        if overlap_param_gather and not use_distributed_optimizer:
-            raise MegatronConfigError(
-                "`overlap_param_gather=True` overlaps the distributed optimizer's parameter all-gather; set "
-                "`use_distributed_optimizer=True` too, or leave it off."
-            )
         if process_group_backend not in (None, "nccl", "gloo"):
             raise MegatronConfigError(
                 f"`process_group_backend` must be 'nccl' (GPUs) or 'gloo' (CPUs), got {process_group_backend!r}."
@@ -181,19 +183,14 @@ class MegatronAppStrategy(ParallelStrategy):
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
         self.tp_comm_overlap = tp_comm_overlap_options(tp_comm_overlap, tp_comm_overlap_chunks, self.layout.tensor)
         self._fused_linears: Optional[SplitLinears] = None  # installed for a fit, restored at teardown
-        self._ddp_kwargs = dict(
+        named_ddp = dict(
             grad_reduce_in_fp32=grad_reduce_in_fp32,
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
             use_distributed_optimizer=use_distributed_optimizer,
             bucket_size=ddp_bucket_size,
         )
-        for key in ddp_config or {}:
-            if key in self._ddp_kwargs:
-                raise MegatronConfigError(
-                    f"ddp_config[{key!r}] duplicates the strategy argument of that name; use the argument."
-                )
-        self._ddp_kwargs.update(ddp_config or {})
+        self._ddp_kwargs = ddp_options(named_ddp, ddp_config)
         self._optimizer_config = dict(optimizer_config or {})
         self._seed = seed
         self._process_group_backend = process_group_backend
@@ -267,8 +264,14 @@ class MegatronAppStrategy(ParallelStrategy):
         return self._parallel
 
     @property
+    def replays_cuda_graphs(self) -> bool:
+        """``cuda_graphs`` as resolved when the processes start (with ``None`` a step graph may still give up)."""
+        return self._graphs
+
+    @property
     def step_graph(self) -> Optional[StepGraph]:
-        """With ``cuda_graphs=True``, this fit's step graph (its ``captures`` and ``replays``); else None."""
+        """This fit's step graph when steps are replayed as CUDA graphs (its ``captures``, ``replays`` and
+        ``gave_up_because``); else None."""
         return self._step_graph
 
     @property
@@ -290,11 +293,6 @@ class MegatronAppStrategy(ParallelStrategy):
                 "process_group_backend='nccl' needs GPUs, but the Trainer runs on CPU. Use accelerator='gpu', or "
                 "process_group_backend='gloo' (the CPU default)."
             )
-        if self.cuda_graphs and on_cpu:
-            raise MegatronConfigError(
-                "cuda_graphs=True replays CUDA graphs and needs GPUs, but the Trainer runs on CPU. Use "
-                "accelerator='gpu', or leave cuda_graphs off."
-            )
         if on_cpu:
             from lightning_megatron.compat import cpu, quiet
 
@@ -305,9 +303,17 @@ class MegatronAppStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         data_parallel = self.layout.data_parallel_size(self.world_size)  # raises before any collective
+        self._graphs = resolve_cuda_graphs(
+            self.cuda_graphs,
+            module=self.lightning_module,
+            on_cpu=on_cpu,
+            world_size=self.world_size,
+            params_dtype=self.precision_plugin.params_dtype,
+        )
         self._init_process_group(backend, on_cpu)
         self._init_parallel_state()
-        self._seed_rngs()
+        base_seed = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 1234))
+        seed_parallel_rngs(base_seed, graph_safe=self._graphs)
         self._parallel = ParallelContext(self.layout, self.precision_plugin.params_dtype, on_cpu=on_cpu)
         assert self._parallel.data_parallel_size == data_parallel
 
@@ -344,18 +350,6 @@ class MegatronAppStrategy(ParallelStrategy):
             distributed_timeout_minutes=max(1, int(self._timeout.total_seconds() // 60)),
         )
 
-    def _seed_rngs(self) -> None:
-        base = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 1234))
-        # As Megatron-LM: pipeline stages get distinct dropout streams; the tracker gives
-        # tensor-parallel ranks distinct streams inside TP regions and equal ones outside.
-        seed = base + 100 * parallel_state.get_pipeline_model_parallel_rank()
-        torch.manual_seed(seed)
-        # CUDA graphs register the tracker's streams with the graph: they must be graph-safe generators.
-        graph_safe = self.cuda_graphs  # (GPUs only: setup_environment checked)
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        reset = getattr(tracker, "use_cudagraphable_rng", False) != graph_safe
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe, force_reset_rng=reset)
-
     # -- model setup --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
@@ -376,9 +370,8 @@ class MegatronAppStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         wrapped_before = [unwrap(c) for c in self._chunks]
         needs_ddp = fitting and not all(isinstance(c, DistributedDataParallel) for c in self._chunks)
-        if fitting and self.cuda_graphs:
-            check_graphable_precision(self.precision_plugin.params_dtype)
-            self._step_graph = self._step_graph or StepGraph()
+        if fitting and self._graphs:
+            self._step_graph = self._step_graph or StepGraph(strict=self.cuda_graphs is True)
             self._step_graph.open()  # before the DDP wrapper: see StepGraph.open
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
@@ -468,11 +461,7 @@ class MegatronAppStrategy(ParallelStrategy):
         )
         seq_of = getattr(module, "microbatch_seq_length", infer_seq_length)
         if not forward_only:
-            for chunk in self._chunks:
-                if hasattr(chunk, "zero_grad_buffer"):
-                    chunk.zero_grad_buffer()
-            if self._optimizer is not None:
-                self._optimizer.clear_grads()
+            self._clear_grads()
         if self._session is None:
             timeout = self._timeout.total_seconds()
             self._session = self.schedule.open(ScheduleContext(self.schedule_options, self.root_device, timeout))
@@ -492,10 +481,21 @@ class MegatronAppStrategy(ParallelStrategy):
             )
 
         if self._step_graph is not None and not forward_only:
-            if not self._step_listeners:
-                return self._step_graph(step, microbatches)
-            self._step_graph.note_eager_step("MegaScan traces this step")  # its CUDA events need an eager step
+            if self._step_listeners:  # MegaScan's CUDA events, MegaScope's hooks: they need an eager step
+                self._step_graph.note_eager_step("MegaScan or MegaScope looks into this step")
+            else:
+                try:
+                    return self._step_graph(step, microbatches)
+                except StepNotRun:  # automatic graphs gave up during the capture (warned): run this step eagerly
+                    self._clear_grads()
         return step(microbatches)
+
+    def _clear_grads(self) -> None:
+        for chunk in self._chunks:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        if self._optimizer is not None:
+            self._optimizer.clear_grads()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
