@@ -5,8 +5,10 @@
 
 * Overhead (1 GPU and all GPUs, DP × PP): the same training alternates between no callback,
   ``MegaScan(interval=1, window=1, granularity="stage")`` (every step traced; GPU busy time measured in every
-  tenth window, the default) and the same with busy time in every window (``gpu_busy_every=1``), ``--pairs``
-  times, in the same processes; the ratios of median step times are the overheads. These fits run eagerly
+  tenth window, the default), the same with busy time in every window (``gpu_busy_every=1``), and the default
+  with CUPTI left attached after each busy-time session (``TEARDOWN_CUPTI=0``: how MegaScan ran before
+  ``compat/cupti_teardown.py``), and the tracer alone (``gpu_busy=False``), ``--pairs`` times, in the same processes; the ratios of median step times are
+  the overheads. These fits run eagerly
   (``cuda_graphs=False``): a traced step cannot be a replayed CUDA graph. On one GPU a fourth fit keeps the
   default (the step replayed as a CUDA graph), so the report also says what tracing every step costs there.
 * Detection (4 GPUs, DP2 × PP2): ``--runs`` runs for each injected slowdown (10%, 20%, 50% on a random
@@ -131,7 +133,14 @@ def _worker(spec: dict[str, Any]) -> None:
     steps = spec["steps"]
     if spec["phase"] == "overhead":
         eager = {"cuda_graphs": False}
-        times: dict[str, list[float]] = {"plain": [], "traced": [], "traced_busy_every_window": []}
+        times: dict[str, list[float]] = {
+            "plain": [],
+            "traced": [],
+            "traced_busy_every_window": [],
+            "traced_cupti_left_attached": [],
+            "traced_no_busy_time": [],
+        }
+        per_pair: dict[str, list[float]] = {name: [] for name in times}
         if spec["devices"] == 1:
             times["plain_default_graphs"] = []
         for pair in range(spec["pairs"]):
@@ -142,12 +151,25 @@ def _worker(spec: dict[str, Any]) -> None:
                 "traced_busy_every_window": [
                     MegaScan(work / "busy", interval=1, window=1, detect=False, gpu_busy_every=1)
                 ],
+                # what MegaScan did before compat/cupti_teardown.py: CUPTI stays attached after each busy window
+                "traced_cupti_left_attached": [MegaScan(work / "attached", interval=1, window=1, detect=False)],
+                # the tracer alone: no profiler session at all
+                "traced_no_busy_time": [MegaScan(work / "nobusy", interval=1, window=1, detect=False, gpu_busy=False)],
             }
             order = list(cases) if pair % 2 == 0 else list(reversed(cases))  # alternate: spread the drift
             for name in order:
-                times[name] += fit_once(spec, cases[name], steps, strategy_options=eager)[3:]  # warm-up, capture
+                attached = name == "traced_cupti_left_attached"
+                if attached:
+                    os.environ["TEARDOWN_CUPTI"] = "0"
+                measured = fit_once(spec, cases[name], steps, strategy_options=eager)[3:]  # warm-up, capture
+                times[name] += measured
+                per_pair[name].append(1000 * statistics.median(measured))
+                if attached:
+                    _detach_cupti()  # so that the next fit does not pay for it
             if "plain_default_graphs" in times:
-                times["plain_default_graphs"] += fit_once(spec, [], steps)[3:]
+                measured = fit_once(spec, [], steps)[3:]
+                times["plain_default_graphs"] += measured
+                per_pair.setdefault("plain_default_graphs", []).append(1000 * statistics.median(measured))
         median = {name: statistics.median(t) for name, t in times.items()}
         out = {
             "plain_step_ms": 1000 * median["plain"],
@@ -155,6 +177,11 @@ def _worker(spec: dict[str, Any]) -> None:
             "overhead": median["traced"] / median["plain"] - 1.0,
             "traced_busy_every_window_step_ms": 1000 * median["traced_busy_every_window"],
             "overhead_busy_every_window": median["traced_busy_every_window"] / median["plain"] - 1.0,
+            "traced_cupti_left_attached_step_ms": 1000 * median["traced_cupti_left_attached"],
+            "overhead_cupti_left_attached": median["traced_cupti_left_attached"] / median["plain"] - 1.0,
+            "traced_no_busy_time_step_ms": 1000 * median["traced_no_busy_time"],
+            "overhead_no_busy_time": median["traced_no_busy_time"] / median["plain"] - 1.0,
+            "median_step_ms_per_pair": per_pair,
             "steps_each": len(times["plain"]),
             "note": "plain and traced fits eager (cuda_graphs=False); MegaScan's default gpu_busy_every=10",
         }
@@ -190,6 +217,18 @@ def _worker(spec: dict[str, Any]) -> None:
         out = {"runs": runs}
     if rank == 0:
         Path(spec["result"]).write_text(json.dumps(out))
+
+
+def _detach_cupti() -> None:
+    """One empty busy-time session with ``TEARDOWN_CUPTI=1``: Kineto detaches CUPTI when it stops."""
+    import torch
+
+    from lightning_megatron.scan.busy import KernelActivity
+
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    activity = KernelActivity()
+    if torch.cuda.is_available() and activity.start():
+        activity.stop()
 
 
 def _launch(spec: dict[str, Any], nproc: int) -> dict[str, Any]:

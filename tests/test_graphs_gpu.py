@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -299,20 +300,30 @@ computes), replays for the other seven. Validation after the fifth runs eagerly 
 
 
 def _fits(model: dict[str, Any], extra: dict[str, Any], runs: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """One subprocess fit per entry of ``runs``: name -> (cuda_graphs setting "off"/"on"/"auto", module)."""
+    """One subprocess fit per entry of ``runs``: name -> (cuda_graphs setting "off"/"on"/"auto", module).
+
+    The fit runs from a script file, not ``python -c``: with two devices Lightning starts the second rank by
+    running ``sys.argv`` again, and ``-c`` is no file it can run."""
     results = {}
-    for name, (setting, module) in runs.items():
-        done = subprocess.run(
-            [sys.executable, "-c", _FIT, setting, json.dumps(model), json.dumps(extra), module],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        assert done.returncode == 0 and lines, done.stderr[-4000:]
-        results[name] = json.loads(lines[-1][len("RESULT ") :])
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "graphs_fit.py"
+        script.write_text(_FIT)
+        for name, (setting, module) in runs.items():
+            results[name] = _fit(script, setting, model, extra, module)
     return results
+
+
+def _fit(script: Path, setting: str, model: dict[str, Any], extra: dict[str, Any], module: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, str(script), setting, json.dumps(model), json.dumps(extra), module],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:

@@ -185,13 +185,15 @@ for seed, (rows, n) in enumerate([(37, 96), (5, 100), (70, 33)]):
             if r is not None:
                 rel(a, r)
     rel(bias.bias_grad(dy), dy.sum(0))
+    for tile in (bias.Tile(block_m=8, block_n=32, warps=2, per_sm=1), bias.Tile(block_m=64, block_n=512, warps=8)):
+        rel(bias._column_sums(dy, None, None, out_dtype=dy.dtype, tile=tile), dy.sum(0))
     y, bias_vector, dx = torch.randn(rows, n, generator=g), torch.randn(n, generator=g), _triton.empty((rows, n), like=x)
-    partial = bias._column_sums(dy, y, bias_vector, dx)
+    summed = bias._column_sums(dy, y, bias_vector, dx, out_dtype=torch.float32)
     v = (y + bias_vector).double()
     t = torch.tanh(0.79788456 * v * (1 + 0.044715 * v * v))
     want_dx = (0.5 * v * ((1 - t * t) * (0.79788456 + 0.1070322243 * v * v)) + 0.5 * (1 + t)) * dy.double()
     rel(dx, want_dx)
-    rel(partial.sum(0), want_dx.sum(0))
+    rel(summed, want_dx.sum(0))
 print("worst relative error", worst)
 """
 

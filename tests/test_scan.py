@@ -242,7 +242,10 @@ def test_online_detection_reports_a_slow_rank_and_its_recovery(ranks: Any, tmp_p
         online = result[0]["online"]
         appeared = [step for step, new, _ in online if (1, "compute") in new]
         recovered = [step for step, _, gone in online if (1, "compute") in gone]
-        return bool(appeared) and appeared[0] < 8 and bool(recovered) and recovered[0] > 8
+        # Healed from step 8 on. A detection at step 8 sees steps 5-8, one of them healed: too few slow steps left
+        # for the sign test on a noisy host, so the recovery may be reported there already. Not before it (still
+        # slow), and not after step 12 (its window holds no slow step).
+        return bool(appeared) and appeared[0] < 8 and bool(recovered) and 8 <= recovered[0] <= 12
 
     result = ranks.run(WORLD, online_fit, str(tmp_path / "run1"), 8, 16, timeout=300)
     if not ok(result):  # host sleeps on 2 shared cores: one fresh retry (see _traced_fit_twice)

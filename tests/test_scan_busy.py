@@ -9,6 +9,7 @@ the same functions get records built by hand (alignment, union, exclusions) and,
 from __future__ import annotations
 
 import json
+import os
 import random
 import warnings
 from pathlib import Path
@@ -271,6 +272,33 @@ def test_gpu_busy_arguments_are_checked() -> None:
     profiled = MegaScan(interval=4, window=2, profile_steps=[6], gpu_busy_every=1)
     profiled._windows = 1
     assert not profiled._busy_window(5) and profiled._busy_window(1)  # a window holding a profiled step
+
+
+@pytest.mark.parametrize(
+    ("cuda", "preset", "detaches", "env_after"),
+    [
+        ("13.0", None, True, "1"),  # Kineto detaches CUPTI after each session
+        ("12.6", None, True, "1"),
+        ("12.4", None, False, None),  # CUDA graphs crash on CUPTI's re-initialisation there: left alone
+        (None, None, False, None),  # a CPU build of torch
+        ("13.0", "0", False, "0"),  # the user's (or torch's own) choice is kept
+        ("12.4", "1", True, "1"),
+    ],
+)
+def test_cupti_is_detached_after_busy_sessions_where_safe(
+    monkeypatch: pytest.MonkeyPatch, cuda: Any, preset: Any, detaches: bool, env_after: Any
+) -> None:
+    import torch
+
+    from lightning_megatron.compat.cupti_teardown import detach_cupti_after_sessions
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setenv("TEARDOWN_CUPTI", "")  # so that monkeypatch puts back whatever was there, or nothing
+    monkeypatch.delenv("TEARDOWN_CUPTI")
+    if preset is not None:
+        monkeypatch.setenv("TEARDOWN_CUPTI", preset)
+    assert detach_cupti_after_sessions() is detaches
+    assert os.environ.get("TEARDOWN_CUPTI") == env_after
 
 
 # ----------------------------------------------------------------------------------------------- the rule

@@ -5,8 +5,10 @@ Contract:
 * :func:`bias_grad` ``(grad_output) -> grad_bias``: the sum of ``grad_output`` over every dimension but the last
   (what autograd computes for a broadcast bias, and ``grad_output.sum(dim=0)`` in a linear's backward), in
   ``grad_output``'s dtype, accumulated in float32. On CUDA one Triton kernel reads ``grad_output`` once: each
-  program sums a block of rows of a column strip into float32 registers, then a second stage sums the few
-  partial rows. Elsewhere it is ``grad_output.reshape(-1, n).sum(0)``: bit-for-bit autograd's reduction.
+  program sums a block of rows of a column strip into float32 registers; a second, small Triton kernel sums
+  those few partial rows in a fixed order and rounds once into the output dtype (two launches in all, where
+  ``partial.sum(0).to(dtype)`` took three). The tile shape depends on the width (:data:`TILES`, measured on an
+  H100). Elsewhere it is ``grad_output.reshape(-1, n).sum(0)``: bit-for-bit autograd's reduction.
   Call it from any backward that holds a 2-D or N-D output gradient (for example a linear layer's
   ``grad_bias = bias_grad(grad_output) if use_bias else None``).
 * :func:`add_bias` ``(x, bias)``: ``x + bias`` whose backward passes ``dy`` through to ``x`` and takes the bias
@@ -23,13 +25,40 @@ Contract:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from lightning_megatron.kernels._triton import cdiv, empty, num_programs, tl, triton, use_triton
 
-__all__ = ["add_bias", "bias_dropout_add", "bias_gelu", "bias_grad"]
+__all__ = ["GELU_TILES", "TILES", "Tile", "add_bias", "bias_dropout_add", "bias_gelu", "bias_grad", "tile_for"]
 
-BLOCK_ROWS, BLOCK_COLS = 32, 256  # one tile of the column sums: 256 consecutive columns x 32 rows
+
+@dataclass(frozen=True)
+class Tile:
+    """One program's share of the column sums: ``block_n`` consecutive columns, ``block_m`` rows at a time,
+    ``warps`` warps, and ``per_sm`` programs per multiprocessor (more keeps more loads in flight)."""
+
+    block_m: int = 32
+    block_n: int = 256
+    warps: int = 4
+    per_sm: int = 4
+
+
+# (widest row in columns, tile), narrowest first; the last one also beyond. See ``tile_for``. Chosen on an H100 by
+# ``benchmarks/bias_grad_tiles.py`` (results/bias_grad_tiles_h100.json: [8192, width] bf16, CUDA-graph replays):
+# the column sum with these tiles took 0.56-0.96x ATen's time from 1024 to 16384 columns (the first tile, 32 x 256
+# with 4 warps, 0.74-1.25x); the bias-GeLU backward 0.63-0.82x megatron-core's GeLU backward plus ATen's sum from
+# 3072 to 16384 columns (first tile: 0.93-1.18x; the bias-GeLU wants narrower tiles: more registers per element).
+TILES: list[tuple[int, Tile]] = [(2048, Tile(128, 64, 4, 8)), (1 << 62, Tile(128, 128, 8, 4))]
+GELU_TILES: list[tuple[int, Tile]] = [(8192, Tile(32, 128, 4, 8)), (1 << 62, Tile(32, 128, 4, 16))]
+
+
+def tile_for(n: int, gelu: bool = False) -> Tile:
+    """The tile for rows ``n`` wide: of the plain column sum, or (``gelu``) of the bias-GeLU backward."""
+    table = GELU_TILES if gelu else TILES
+    return next((tile for widest, tile in table if n <= widest), table[-1][1])
 
 
 def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
@@ -40,8 +69,7 @@ def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
         return g.sum(0)
     if not g.is_contiguous():
         g = g.contiguous()
-    partial = _column_sums(g, None, None)
-    return partial.sum(0).to(g.dtype)
+    return _column_sums(g, None, None, out_dtype=g.dtype)
 
 
 def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -98,24 +126,24 @@ class _BiasGelu(torch.autograd.Function):
             y = x.reshape(-1, n)
             g, y = (t if t.is_contiguous() else t.contiguous() for t in (g, y))
             dx = empty(y.shape, like=y)
-            partial = _column_sums(g, y, bias, dx)
-            return dx.view(x.shape), partial.sum(0).to(bias.dtype)
+            return dx.view(x.shape), _column_sums(g, y, bias, dx, out_dtype=bias.dtype)
         from megatron.core.fusions.fused_bias_gelu import bias_gelu_back
 
         dx = bias_gelu_back(dy, bias, x)
         return dx, bias_grad(dx).to(bias.dtype)
 
 
-def _column_sums(g, y, bias, dx=None):  # noqa: ANN001, ANN202
-    """Float32 partial column sums ``[programs, n]`` of ``g`` (or, with ``y``/``bias``/``dx``, of the bias-GeLU
-    input gradient it writes into ``dx``)."""
+def _column_sums(g, y, bias, dx=None, *, out_dtype: torch.dtype, tile: Optional[Tile] = None):  # noqa: ANN001, ANN202
+    """The column sums ``[n]`` of ``g`` in ``out_dtype`` (or, with ``y``/``bias``/``dx``, of the bias-GeLU input
+    gradient it writes into ``dx``): float32 partial sums per block of rows, then one pass over them."""
     rows, n = g.shape
-    strips = cdiv(n, BLOCK_COLS)
-    row_blocks = max(1, min(cdiv(num_programs(g.device, per_sm=4), strips), cdiv(rows, BLOCK_ROWS)))
-    rows_per_program = cdiv(cdiv(rows, row_blocks), BLOCK_ROWS) * BLOCK_ROWS
+    gelu = y is not None
+    tile = tile or tile_for(n, gelu)
+    strips = cdiv(n, tile.block_n)
+    row_blocks = max(1, min(cdiv(num_programs(g.device, per_sm=tile.per_sm), strips), cdiv(rows, tile.block_m)))
+    rows_per_program = cdiv(cdiv(rows, row_blocks), tile.block_m) * tile.block_m
     row_blocks = cdiv(rows, rows_per_program)
     partial = empty((row_blocks, n), like=g, dtype=torch.float32)
-    gelu = y is not None
     _column_sum_kernel[(row_blocks, strips)](
         g,
         y if gelu else g,
@@ -125,12 +153,17 @@ def _column_sums(g, y, bias, dx=None):  # noqa: ANN001, ANN202
         rows,
         n,
         ROWS_PER_PROGRAM=rows_per_program,
-        BLOCK_M=BLOCK_ROWS,
-        BLOCK_N=BLOCK_COLS,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
         GELU=gelu,
-        num_warps=4,
+        num_warps=tile.warps,
     )
-    return partial
+    out = empty((n,), like=g, dtype=out_dtype)
+    _finish_kernel[(cdiv(n, FINISH_COLS),)](partial, out, row_blocks, n, BLOCK_R=FINISH_ROWS, BLOCK_N=FINISH_COLS)
+    return out
+
+
+FINISH_ROWS, FINISH_COLS = 16, 128  # the second stage's tile: a few partial rows of 128 columns at a time
 
 
 if triton is not None:
@@ -172,3 +205,15 @@ if triton is not None:
                 g = tl.where(mask, dx.to(tl.float32), 0.0)  # the bias gradient sums the rounded input gradient
             acc += g
         tl.store(PARTIAL + row_block * N + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+    @triton.jit
+    def _finish_kernel(PARTIAL, OUT, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """OUT[c] = sum over r of PARTIAL[r, c], in float32 and in a fixed order, rounded once to OUT's dtype."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        for first in range(0, R, BLOCK_R):
+            rows = first + tl.arange(0, BLOCK_R)
+            mask = (rows < R)[:, None] & col_mask[None, :]
+            acc += tl.load(PARTIAL + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
+        tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_mask)

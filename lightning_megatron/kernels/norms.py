@@ -406,14 +406,15 @@ if triton is not None:
         first = program * ROWS_PER_PROGRAM
         for i in range(0, ROWS_PER_PROGRAM):
             row = first + i
-            row_mask = mask & (row < M)
+            row_mask = cols < tl.where(row < M, N, 0)  # (mask & (row < M) is not a boolean in the interpreter)
             x = tl.load(X + row * N + cols, mask=row_mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + row * N + cols, mask=row_mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
+            inside = tl.minimum(row, M - 1)  # past the last row x and dy load as 0; no scalar mask (the interpreter)
+            rstd = tl.load(RSTD + inside)
             if RMS:
                 xhat = x * rstd
             else:
-                xhat = tl.where(row_mask, (x - tl.load(MEAN + row, mask=row < M, other=0.0)) * rstd, 0.0)
+                xhat = tl.where(row_mask, (x - tl.load(MEAN + inside)) * rstd, 0.0)
             wdy = w * dy
             c1 = tl.sum(xhat * wdy, axis=0) / N
             if RMS:

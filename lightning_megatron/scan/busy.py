@@ -39,6 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_megatron.compat.cupti_teardown import detach_cupti_after_sessions
+
 __all__ = [
     "ANCHOR_NAME",
     "Activity",
@@ -177,7 +179,8 @@ class KernelActivity:
     ``start()`` after the window's synchronize, ``anchor()`` right before its reference event and right after its
     end event, ``stop()`` after the final synchronize: the GPU activity records of the window. A session never
     nests in another one (``Trainer(profiler="pytorch")``, ``MegaScan(profile_steps=...)``, a user's): ``start``
-    returns False while another runs, and the window goes without busy time."""
+    returns False while another runs, and the window goes without busy time. Each session ends by detaching CUPTI
+    (``compat/cupti_teardown.py``): left attached, it slowed every later kernel launch of the fit."""
 
     def __init__(self) -> None:
         self._session: Any = None
@@ -199,6 +202,7 @@ class KernelActivity:
 
         if self._session is not None or torch.autograd._profiler_enabled():
             return False
+        detach_cupti_after_sessions()  # or every launch after the session pays for CUPTI's callbacks
         session = torch.autograd.profiler.profile(use_cpu=False, use_device="cuda", use_kineto=True)
         session.__enter__()
         self._session = session

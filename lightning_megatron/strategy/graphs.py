@@ -81,7 +81,7 @@ class StepGraph:
         self.warmup_steps = warmup_steps
         self.max_captures = max_captures
         self.strict = strict
-        self.gave_up_because: Optional[str] = None  # why a non-strict graph stopped capturing (tests, the benchmark)
+        self.gave_up_because: Optional[str] = None  # why a non-strict graph stopped capturing (for callers and tests)
         self.captures = 0  # graphs captured so far (tests, the benchmark)
         self.replays = 0
         self.eager_steps_by_caller = 0  # steps the caller ran without the graph (MegaScan tracing)
@@ -241,7 +241,8 @@ def resolve_cuda_graphs(
     turns graphs on where they were measured faster and checked against the eager step: one GPU, bf16 or fp32,
     and a module that declares its ``forward_step`` capturable (:func:`declares_graph_safe_step`; ``GPTModule``
     does). Tensor and data parallelism replay collectives inside the graph; they stay opt-in until their parity
-    tests have run on two GPUs (``tests/test_graphs_gpu.py``). Asked for where it cannot work: an error."""
+    tests have all run on two GPUs (``tests/test_graphs_gpu.py``: TP2 with sequence parallelism has, bit for bit;
+    DP2 and TP2 without it have not). Asked for where it cannot work: an error."""
     if requested is True:
         if on_cpu:
             raise MegatronConfigError(
