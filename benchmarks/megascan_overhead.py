@@ -5,12 +5,12 @@
 
 * Overhead (1 GPU and all GPUs, DP × PP): the same training alternates between no callback,
   ``MegaScan(interval=1, window=1, granularity="stage")`` (every step traced; GPU busy time measured in every
-  tenth window, the default), the same with busy time in every window (``gpu_busy_every=1``), and the default
-  with CUPTI left attached after each busy-time session (``TEARDOWN_CUPTI=0``: how MegaScan ran before
-  ``compat/cupti_teardown.py``), and the tracer alone (``gpu_busy=False``), ``--pairs`` times, in the same processes; the ratios of median step times are
-  the overheads. These fits run eagerly
-  (``cuda_graphs=False``): a traced step cannot be a replayed CUDA graph. On one GPU a fourth fit keeps the
-  default (the step replayed as a CUDA graph), so the report also says what tracing every step costs there.
+  tenth window, the default), the same with busy time in every window (``gpu_busy_every=1``), the default with
+  CUPTI left attached after each busy-time session (``TEARDOWN_CUPTI=0``: how MegaScan ran before
+  ``compat/cupti_teardown.py``), and the tracer alone (``gpu_busy=False``), ``--pairs`` times, in the same
+  processes; the ratios of median step times are the overheads. These fits run eagerly (``cuda_graphs=False``):
+  a traced step cannot be a replayed CUDA graph. On one GPU one more fit per pair keeps the default (the step
+  replayed as a CUDA graph), so the report also says what tracing every step costs there.
 * Detection (4 GPUs, DP2 × PP2): ``--runs`` runs for each injected slowdown (10%, 20%, 50% on a random
   rank, ``SlowdownInjector``) and as many clean runs; each run's fit-end report is scored: a hit names the
   slowed rank with cause "compute"; any other named rank is a false alarm.
