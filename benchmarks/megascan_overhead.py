@@ -8,9 +8,11 @@
   tenth window, the default), the same with busy time in every window (``gpu_busy_every=1``), the default with
   CUPTI left attached after each busy-time session (``TEARDOWN_CUPTI=0``: how MegaScan ran before
   ``compat/cupti_teardown.py``), and the tracer alone (``gpu_busy=False``), ``--pairs`` times, in the same
-  processes; the ratios of median step times are the overheads. These fits run eagerly (``cuda_graphs=False``):
-  a traced step cannot be a replayed CUDA graph. On one GPU one more fit per pair keeps the default (the step
-  replayed as a CUDA graph), so the report also says what tracing every step costs there.
+  processes; the ratios of median step times are the overheads. These fits run eagerly (``cuda_graphs=False``),
+  the layout MegaScan's rules were built on. On one GPU two more fits per pair keep the default (the step
+  replayed as a CUDA graph), untraced and traced (the graph's own events, ``scan.recorder``): their ratio is
+  ``overhead_default_graphs``, and ``traced_over_default_graphs`` what tracing cost when traced steps ran
+  eagerly. ``--cases`` keeps only some of them, e.g. ``--cases plain_default_graphs traced_default_graphs``.
 * Detection (4 GPUs, DP2 × PP2): ``--runs`` runs for each injected slowdown (10%, 20%, 50% on a random
   rank, ``SlowdownInjector``) and as many clean runs; each run's fit-end report is scored: a hit names the
   slowed rank with cause "compute"; any other named rank is a false alarm.
@@ -140,9 +142,11 @@ def _worker(spec: dict[str, Any]) -> None:
             "traced_cupti_left_attached": [],
             "traced_no_busy_time": [],
         }
+        graphs = spec["devices"] == 1  # the default replays the step as a CUDA graph on one GPU only
+        if graphs:
+            times.update(plain_default_graphs=[], traced_default_graphs=[])
+        times = {name: t for name, t in times.items() if not spec.get("cases") or name in spec["cases"]}
         per_pair: dict[str, list[float]] = {name: [] for name in times}
-        if spec["devices"] == 1:
-            times["plain_default_graphs"] = []
         for pair in range(spec["pairs"]):
             work = Path(spec["workdir"]) / f"overhead-{pair}"
             cases = {
@@ -155,39 +159,37 @@ def _worker(spec: dict[str, Any]) -> None:
                 "traced_cupti_left_attached": [MegaScan(work / "attached", interval=1, window=1, detect=False)],
                 # the tracer alone: no profiler session at all
                 "traced_no_busy_time": [MegaScan(work / "nobusy", interval=1, window=1, detect=False, gpu_busy=False)],
+                # one GPU, the default strategy: the step replayed as a CUDA graph, traced from the graph's events
+                "plain_default_graphs": [],
+                "traced_default_graphs": [MegaScan(work / "graphs", interval=1, window=1, detect=False)],
             }
+            cases = {name: callbacks for name, callbacks in cases.items() if name in times}
             order = list(cases) if pair % 2 == 0 else list(reversed(cases))  # alternate: spread the drift
             for name in order:
                 attached = name == "traced_cupti_left_attached"
                 if attached:
                     os.environ["TEARDOWN_CUPTI"] = "0"
-                measured = fit_once(spec, cases[name], steps, strategy_options=eager)[3:]  # warm-up, capture
+                options = None if name.endswith("_default_graphs") else eager
+                measured = fit_once(spec, cases[name], steps, strategy_options=options)[3:]  # warm-up, capture
                 times[name] += measured
                 per_pair[name].append(1000 * statistics.median(measured))
                 if attached:
                     _detach_cupti()  # so that the next fit does not pay for it
-            if "plain_default_graphs" in times:
-                measured = fit_once(spec, [], steps)[3:]
-                times["plain_default_graphs"] += measured
-                per_pair.setdefault("plain_default_graphs", []).append(1000 * statistics.median(measured))
         median = {name: statistics.median(t) for name, t in times.items()}
-        out = {
-            "plain_step_ms": 1000 * median["plain"],
-            "traced_step_ms": 1000 * median["traced"],
-            "overhead": median["traced"] / median["plain"] - 1.0,
-            "traced_busy_every_window_step_ms": 1000 * median["traced_busy_every_window"],
-            "overhead_busy_every_window": median["traced_busy_every_window"] / median["plain"] - 1.0,
-            "traced_cupti_left_attached_step_ms": 1000 * median["traced_cupti_left_attached"],
-            "overhead_cupti_left_attached": median["traced_cupti_left_attached"] / median["plain"] - 1.0,
-            "traced_no_busy_time_step_ms": 1000 * median["traced_no_busy_time"],
-            "overhead_no_busy_time": median["traced_no_busy_time"] / median["plain"] - 1.0,
-            "median_step_ms_per_pair": per_pair,
-            "steps_each": len(times["plain"]),
-            "note": "plain and traced fits eager (cuda_graphs=False); MegaScan's default gpu_busy_every=10",
-        }
-        if "plain_default_graphs" in median:
-            out["plain_default_graphs_step_ms"] = 1000 * median["plain_default_graphs"]
+        out = {f"{name}_step_ms": 1000 * m for name, m in median.items()}
+        for name, base in [(n, "plain") for n in median if n.startswith("traced") and "graphs" not in n] + [
+            ("traced_default_graphs", "plain_default_graphs")
+        ]:
+            if name in median and base in median:  # "overhead" is the default's: MegaScan's defaults, eager
+                key = "overhead" if name == "traced" else f"overhead_{name.removeprefix('traced_')}"
+                out[key] = median[name] / median[base] - 1.0
+        if "traced" in median and "plain_default_graphs" in median:  # what tracing cost before it kept the graph
             out["traced_over_default_graphs"] = median["traced"] / median["plain_default_graphs"] - 1.0
+        out.update(
+            median_step_ms_per_pair=per_pair,
+            steps_each=len(next(iter(times.values()))),
+            note="fits eager (cuda_graphs=False) except *_default_graphs; MegaScan's default gpu_busy_every=10",
+        )
     else:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
         chooser = random.Random(spec["seed"])
@@ -272,6 +274,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10, help="detection runs per slowdown and clean")
     parser.add_argument("--pairs", type=int, default=3, help="overhead: alternations of plain and traced fits")
     parser.add_argument("--only", nargs="*", default=["overhead", "detection"])
+    parser.add_argument("--cases", nargs="*", help="overhead: only these cases (e.g. plain_default_graphs ...)")
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium", help="GPU model size")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU processes (gloo)")
     parser.add_argument("--keep-traces", type=Path, help="also write the detection runs' traces here (.tar.gz)")
@@ -309,6 +312,7 @@ def main() -> int:
                     "global_batch_size": base["micro_batch_size"] * 4 * dp,
                     "steps": 6 if args.cpu_dry_run else 20,
                     "pairs": args.pairs,
+                    "cases": args.cases,
                     "workdir": workdir,
                     "result": f"{workdir}/overhead-{devices}.json",
                 }

@@ -373,7 +373,7 @@ def test_by_default_a_step_that_cannot_be_captured_warns_and_trains_eagerly(tmp_
         assert place in graph["gave_up_because"], graph
         assert len(run["warnings"]) == 1 and "cuda_graphs (automatic)" in run["warnings"][0], run["warnings"]
         assert len(run["loss"]) == 10 and len(run["val_loss"]) == 2
-    assert "<string>:" in waits["default"]["graph"]["gave_up_because"]  # the subprocess's module: file and line named
+    assert "graphs_fit.py:" in waits["default"]["graph"]["gave_up_because"]  # the fit's script: file and line named
     assert results["waits"]["max_rel_loss_diff"] < 1e-5, results
     assert results["legacy_stream"]["max_rel_loss_diff"] < 1e-2, results
     assert legacy["default"]["loss"][-1] < legacy["default"]["loss"][0]

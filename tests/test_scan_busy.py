@@ -195,6 +195,10 @@ class FakeGpu:
                 return True
 
             @staticmethod
+            def hold() -> None:  # on a GPU: a spin before the end event, for the alignment's sake; nothing here
+                return None
+
+            @staticmethod
             def anchor() -> None:
                 first = gpu.running and not gpu.records
                 gpu.kernel(f"at::cuda::(anonymous namespace)::{ANCHOR_NAME}(long)", 0.2)

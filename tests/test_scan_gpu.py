@@ -2,10 +2,13 @@
 
 * The queue fields that tell a host-paced span from a slow GPU: every compute span of a traced GPU fit has
   ``enqueue_us`` and ``queued_us``; a GPU-bound model keeps its GPU behind a queue (most spans reached well after
-  the host queued them), so its spans are not host-paced.
+  the host queued them), so its spans are not host-paced. These fits run eagerly (``cuda_graphs=False``): a
+  replayed CUDA graph has no host enqueue per span, and the host's sleeps below would not happen in it
+  (``tests/test_scan_graphs_gpu.py`` covers traced graphs).
 * GPU busy time (``scan.busy``): three fits of a GPU-bound model on one GPU, clean, with another process
   multiplying matrices on the same GPU (``CompetingProcess``), and with the host sleeping between the transformer
-  layers' launches. Both faults stretch the forward spans; only the shared GPU's kernels take longer. Busy time
+  layers' launches. Both faults stretch the spans (the sleeps the forward ones); only the shared GPU's kernels
+  take longer. Busy time
   must say so, and detection, given each faulty fit beside the clean one as two data-parallel peers, must name the
   shared GPU ``compute`` and not the sleeping host. ``LM_RESULTS_DIR``: where the numbers go
   (``megascan_busy_gpu.json``), with the step period with and without busy time measured.
@@ -45,7 +48,7 @@ def test_gpu_spans_carry_enqueue_and_queue_times(tmp_path: Path) -> None:
         accelerator="gpu",
         devices=1,
         precision="bf16-mixed",
-        strategy=MegatronAppStrategy(micro_batch_size=2),
+        strategy=MegatronAppStrategy(micro_batch_size=2, cuda_graphs=False),
         max_steps=4,
         logger=False,
         enable_checkpointing=False,
@@ -79,7 +82,7 @@ def _fit(trace_dir: Path, callbacks: list[Any], gpu_busy: bool = True) -> None:
         accelerator="gpu",
         devices=1,
         precision="bf16-mixed",
-        strategy=MegatronAppStrategy(micro_batch_size=2),
+        strategy=MegatronAppStrategy(micro_batch_size=2, cuda_graphs=False),
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -105,12 +108,12 @@ def _summary(trace_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for op in ("forward", "backward"):
         mine = [e for e in spans if e["cat"] == "compute" and e["name"] == op]
+        busy = [e["args"]["busy_us"] for e in mine if "busy_us" in e["args"]]  # windows that aligned (busy.py)
         out[op] = {
             "spans": len(mine),
+            "spans_with_busy_time": len(busy),
             "dur_ms": statistics.median(e["dur"] for e in mine) / 1000,
-            "busy_ms": statistics.median(e["args"]["busy_us"] for e in mine) / 1000
-            if mine[0]["args"].get("busy_us") is not None
-            else None,
+            "busy_ms": statistics.median(busy) / 1000 if busy else None,
         }
     starts = sorted(e["ts"] for e in spans if e["cat"] == "step")
     out["step_period_ms"] = statistics.median(b - a for a, b in zip(starts, starts[1:])) / 1000
@@ -203,18 +206,23 @@ def test_busy_time_tells_a_shared_gpu_from_a_sleeping_host(tmp_path: Path) -> No
     out.write_text(json.dumps(record, indent=1))
 
     for spans in (_spans(tmp_path / "clean"), _spans(tmp_path / "shared")):
+        # A window whose anchors and events disagree gets no busy time by design (busy.py); most must align.
         compute = [e for e in spans if e["cat"] == "compute"]
-        assert compute and all("busy_us" in e["args"] for e in compute), "busy time missing on a GPU span"
+        assert compute and sum("busy_us" in e["args"] for e in compute) >= 0.8 * len(compute), "busy time missing"
     # The anchors' residual: ~0.1 µs where the GPU runs behind a queue (each anchor next to its event), ~110 µs
     # where it has caught up with its host at a window's edge (an anchor then starts when launched; 2x H200,
     # 2026-11-23); busy.py rejects a window above 50 µs or 0.1% of its length, the spans being milliseconds long.
     assert clean["busy_align_us"] is not None and clean["busy_align_us"]["max"] < 500, clean
     assert not any("busy_us" in (e.get("args") or {}) for e in _spans(tmp_path / "no-busy"))
-    # GPU-bound: the clean forward is mostly kernels.
-    assert clean["forward"]["busy_ms"] > 0.8 * forward_ms, record
-    # Both faults stretch the forward spans (else the faults did not happen and the test says nothing) ...
+    # Mostly GPU work: kernels fill at least half of the clean forward without a profiler session. (How much more
+    # depends on the host: 15.5 ms of kernels in 16.3 and in 23.5 ms forwards on two H100 machines, 2026-11-24; in
+    # a busy window the host is slower still, CUPTI being attached again for each session.)
+    assert clean["forward"]["busy_ms"] > 0.5 * record["clean_without_busy_time"]["forward"]["dur_ms"], record
+    # Both faults happened (else the test says nothing): the host's sleeps stretch the forward spans, the shared
+    # GPU the backward ones (in a busy window the clean forward is partly paced by its host on H100 machines, which
+    # hides part of a slower GPU there: 26.4 against 31.2 ms in one launch, 2026-11-24; the backward stays GPU-bound).
     assert sleeps["forward"]["dur_ms"] > 1.4 * forward_ms, record
-    assert shared["forward"]["dur_ms"] > 1.2 * forward_ms, record
+    assert shared["backward"]["dur_ms"] > 1.2 * clean["backward"]["dur_ms"], record
     # ... the sleeping host's kernels take as long as ever: busy time barely moves, the rest is idle GPU time ...
     assert abs(sleeps["forward"]["busy_ms"] / clean["forward"]["busy_ms"] - 1) < 0.1, record
     assert sleeps["forward"]["busy_ms"] < 0.7 * sleeps["forward"]["dur_ms"], record

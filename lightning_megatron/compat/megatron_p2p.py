@@ -30,6 +30,7 @@ class P2PMessages:
     of each phase, the counters."""
 
     nesting = -1  # outside the tracers: a span's messages are known before a tracer closes it
+    graph_safe = True  # host bookkeeping only; a step replayed as a CUDA graph has no pipeline messages (PP 1)
 
     def __init__(self) -> None:
         self.open: Optional[str] = None
@@ -50,6 +51,12 @@ class P2PMessages:
         self.last[phase] = (chunk, microbatch)
 
     def p2p_messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
+        pass
+
+    def graph_capture(self, started: bool) -> None:
+        pass
+
+    def graph_replay(self, started: bool) -> None:
         pass
 
     def record(self, way: str, peer: int, direction: str, tensor: Optional[torch.Tensor]) -> dict[str, Any]:

@@ -23,7 +23,12 @@ the torch version). Neither absolute clock is needed: right after the window's f
 flight) the session starts and an anchor kernel (``torch.cuda._sleep``, a few hundred cycles) is launched right
 before the reference event; at the window's end an event is recorded and a second anchor launched right after
 it, on the same stream. The first anchor's *end* is the reference event's time, the second's *start* the end
-event's time (each within the µs the GPU takes between two queued commands). A linear map through these two
+event's time (each within the µs the GPU takes between two queued commands). That holds only if the host queues
+the reference event before the first anchor ends, and the GPU, idle after the synchronize, starts the anchor as
+soon as it is launched, while CUPTI can hold the host inside that launch for 0.1–0.25 ms (measured on an H100: windows
+off by 160–250 µs). So the first anchor spins ~0.5 ms, longer than that; at the end a spin of the same length
+(``hold``, right before the end event: after every span, so in none of them) keeps the end event and the second
+anchor queued together when the GPU has caught up with the host. A linear map through these two
 points puts every record on the span clock and corrects any rate difference between the two clocks. How far
 the anchors' distance and the events' distance differ (``Alignment.error_us``: the rate difference plus the
 different latencies at the two ends) bounds how far the map can be off; a window whose anchors are missing, out
@@ -55,6 +60,7 @@ __all__ = [
 
 ANCHOR_NAME = "spin_kernel"  # torch.cuda._sleep's kernel (at::cuda::(anonymous namespace)::spin_kernel(long))
 ANCHOR_CYCLES = 200  # a fraction of a µs on any recent GPU
+FIRST_ANCHOR_CYCLES = 1_000_000  # ~0.5 ms: see "Clock alignment"
 MAX_ALIGN_ERROR_US = 50.0
 _CAPTURE_MARGIN_S = 200e-6  # twice per sampled window, outside the traced steps' spans
 _COMMUNICATION = ("nccl",)  # kernel name prefixes (lower case) of communication kernels
@@ -176,14 +182,15 @@ def _clear_of_the_capture_window() -> None:
 class KernelActivity:
     """A CUDA-only ``torch.profiler`` session over one traced window (CUDA builds of torch only).
 
-    ``start()`` after the window's synchronize, ``anchor()`` right before its reference event and right after its
-    end event, ``stop()`` after the final synchronize: the GPU activity records of the window. A session never
+    ``start()`` after the window's synchronize, ``anchor()`` right before its reference event, ``hold()`` right
+    before its end event and ``anchor()`` right after it, ``stop()`` after the final synchronize: the GPU activity records of the window. A session never
     nests in another one (``Trainer(profiler="pytorch")``, ``MegaScan(profile_steps=...)``, a user's): ``start``
     returns False while another runs, and the window goes without busy time. Each session ends by detaching CUPTI
     (``compat/cupti_teardown.py``): left attached, it slowed every later kernel launch of the fit."""
 
     def __init__(self) -> None:
         self._session: Any = None
+        self._anchored = False
 
     @staticmethod
     def available() -> bool:
@@ -205,15 +212,23 @@ class KernelActivity:
         detach_cupti_after_sessions()  # or every launch after the session pays for CUPTI's callbacks
         session = torch.autograd.profiler.profile(use_cpu=False, use_device="cuda", use_kineto=True)
         session.__enter__()
-        self._session = session
+        self._session, self._anchored = session, False
         _clear_of_the_capture_window()
         return True
 
-    @staticmethod
-    def anchor() -> None:
+    def anchor(self) -> None:
+        """Launch an anchor kernel; the session's first one spins long enough for the reference event to queue."""
         import torch
 
-        torch.cuda._sleep(ANCHOR_CYCLES)
+        torch.cuda._sleep(ANCHOR_CYCLES if self._anchored else FIRST_ANCHOR_CYCLES)
+        self._anchored = True
+
+    @staticmethod
+    def hold() -> None:
+        """Keep the GPU busy while the host queues the window's end event and last anchor (see the docstring)."""
+        import torch
+
+        torch.cuda._sleep(FIRST_ANCHOR_CYCLES)
 
     def stop(self) -> list[Activity]:
         """End the session (it synchronizes) and return its GPU activity records."""

@@ -50,6 +50,10 @@ _COMPUTE = {
 class MegaScan(pl.Callback, StepListener):
     """Trace ``window`` consecutive steps every ``interval`` steps, one Chrome trace file per rank.
 
+    A step the strategy replays as a CUDA graph (the default on one GPU) stays a replay when traced: the spans are
+    the graph's own events, recorded at every replay (``scan.recorder``), marked ``args.graph`` and without the
+    host's enqueue times (one launch queues the whole step).
+
     Args:
         trace_dir: Where each rank writes ``rankNNNNN-dpD-ppP-tpT.json[.gz]`` and rank 0 ``megascan-report.json``
             (a shared file system for multi-node jobs, or collect the files afterwards). None:
@@ -153,6 +157,7 @@ class MegaScan(pl.Callback, StepListener):
         self._layers: Optional[LayerTracer] = None
         self._context: dict[str, Any] = {}
         self._open: dict[str, list[Span]] = {}
+        self._open_outside: dict[str, list[Span]] = {}  # the window's open spans while a capture runs
         self._p2p_seq: dict[tuple[int, str, str], int] = {}
         self._step_span: Optional[Span] = None
         self._optimizer_span: Optional[Span] = None
@@ -435,6 +440,31 @@ class MegaScan(pl.Callback, StepListener):
         stack = self._open.get(name)
         if stack and self._recorder is not None:
             self._recorder.close(stack.pop())
+
+    graph_safe = True  # inside a step it records CUDA events only: a CUDA-graph step keeps its graph
+
+    def graph_capture(self, started: bool) -> None:
+        """Open the captured step's spans whether or not it is traced: they are the template of every replay."""
+        recorder, collectives = self._recorder, self._collectives
+        if recorder is None or collectives is None:
+            return
+        if started:
+            self._open_outside, self._open = self._open, {}
+            collectives.install()  # (already installed in a traced window)
+            recorder.begin_capture()
+        else:
+            recorder.end_capture()
+            if not recorder.active:
+                collectives.uninstall()
+            self._open = self._open_outside
+
+    def graph_replay(self, started: bool) -> None:
+        if self._recorder is None:
+            return
+        if started:
+            self._recorder.before_replay()
+        else:
+            self._recorder.replayed({"step": self._context["step"]})
 
     def microbatch(self, phase: str, chunk: int, microbatch: int) -> None:
         stack = self._open.get(f"{phase}-compute")

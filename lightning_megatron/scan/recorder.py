@@ -20,6 +20,14 @@ before the reference event; ``end_window`` records an end event, launches the se
 ``args.busy_us`` (the union of this process's non-communication kernels between the span's two events) on every
 GPU span, and ``args.busy_align_us`` (the alignment's residual) on step spans. A window without it, or whose
 anchors do not align, writes neither (CPUs never do).
+
+A step replayed as a CUDA graph (``strategy.graphs``) runs no Python, so no span opens during it. Its spans are
+opened once, while the step is captured (``begin_capture`` … ``end_capture``): their events come from a pool of
+``external`` events, which a capture turns into graph nodes that every replay records again. Those spans are the
+step's *template*; ``replayed`` adds a copy of it to the window after each traced replay, with ``args.graph``
+set and without the enqueue fields (the whole step is one launch, so the host paces none of its spans). The next
+replay overwrites the events, so ``before_replay`` first waits for the last of them and turns the copies into
+host times.
 """
 
 from __future__ import annotations
@@ -70,6 +78,13 @@ class SpanRecorder:
         self._grow(pool_size if use_cuda else 0)
         self._ref_event: Any = None
         self._ref_host = 0.0
+        self._graph_pool: list[Any] = []  # external events: recorded by a CUDA graph's replays
+        self._graph_used = 0
+        self._capturing = False
+        self._graph_short = False
+        self._active_before_capture = False
+        self._template: list[Span] = []  # the spans of the captured step (see the module's docstring)
+        self._unresolved: list[Span] = []  # copies of the template whose events the next replay overwrites
 
     def _grow(self, count: int) -> None:
         self._pool += [torch.cuda.Event(enable_timing=True) for _ in range(count)]
@@ -77,6 +92,14 @@ class SpanRecorder:
     def _stamp(self, host: bool) -> Any:
         if not self.use_cuda or host:
             return now_us()
+        if self._capturing:
+            if self._graph_used == len(self._graph_pool):
+                self._graph_short = True  # creating an event inside a capture is not allowed: the span is left out
+                return None
+            event = self._graph_pool[self._graph_used]
+            self._graph_used += 1
+            event.record()
+            return event
         if self._used == len(self._pool):
             # Grows the pool for this and later windows; allocating here is slower but still sync-free.
             warnings.warn(f"MegaScan: CUDA event pool of {len(self._pool)} exhausted; growing it", stacklevel=3)
@@ -102,10 +125,12 @@ class SpanRecorder:
     def end_window(self) -> list[dict[str, Any]]:
         """Resolve every span of the window into complete trace events (sorted by start time)."""
         self.active = False
+        self._unresolved = []  # resolved below, after the synchronize
         timeline = None
         if self.use_cuda:
             end_event = None
             if self._busy_on:
+                self.busy.hold()
                 end_event = self._stamp(host=False)
                 self.busy.anchor()
             torch.cuda.synchronize()
@@ -116,17 +141,14 @@ class SpanRecorder:
             if span.end is None:
                 continue  # opened but never closed (an exception unwound the step)
             start, end = self._host_time(span.start), self._host_time(span.end)
-            args = span.args
+            args = dict(span.args)
             if span.enqueued is not None and span.enqueue_end is not None:
-                args = {
-                    **args,
-                    "enqueue_us": round(span.enqueue_end - span.enqueued, 1),
-                    "queued_us": round(start - span.enqueued, 1),
-                }
-                if timeline is not None:
-                    args["busy_us"] = round(timeline.busy(start - self._ref_host, end - self._ref_host), 1)
-                    if span.cat == "step":
-                        args["busy_align_us"] = round(timeline.error_us, 1)
+                args["enqueue_us"] = round(span.enqueue_end - span.enqueued, 1)
+                args["queued_us"] = round(start - span.enqueued, 1)
+            if timeline is not None and not span.host:
+                args["busy_us"] = round(timeline.busy(start - self._ref_host, end - self._ref_host), 1)
+                if span.cat == "step":
+                    args["busy_align_us"] = round(timeline.error_us, 1)
             events.append(complete(span.name, span.cat, self.rank, span.tid, start, max(end - start, 0.0), args))
         events.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
         self._spans = []
@@ -177,6 +199,55 @@ class SpanRecorder:
         if self.busy is not None:
             self.busy.close()
 
+    # -- a step replayed as a CUDA graph ---------------------------------------------------------------
+    def begin_capture(self) -> None:
+        """The step now running is being captured: the spans opened until ``end_capture`` are its template.
+        Called before the capture starts, so that the pool's events can be created (recorded once) here."""
+        if not self.use_cuda:
+            return
+        missing = max(len(self._pool), 2 * len(self._template)) - len(self._graph_pool)
+        for _ in range(max(missing, 0)):
+            event = torch.cuda.Event(enable_timing=True, external=True)
+            event.record()  # creates the CUDA event now: not allowed inside the capture
+            self._graph_pool.append(event)
+        self._template, self._unresolved = [], []
+        self._graph_used, self._graph_short = 0, False
+        self._active_before_capture, self.active, self._capturing = self.active, True, True
+
+    def end_capture(self) -> None:
+        """The capture ended (or failed): back to the window's own spans."""
+        if not self._capturing:
+            return
+        self._capturing = False
+        self.active = self._active_before_capture
+        if self._graph_short:
+            warnings.warn(
+                f"MegaScan: the captured step opened more spans than its {len(self._graph_pool)} graph events; the "
+                "rest are not traced in replayed steps (the next capture makes twice as many)",
+                stacklevel=3,
+            )
+
+    def before_replay(self) -> None:
+        """The next replay overwrites the template's events: turn the last replay's copies into host times."""
+        if not self._unresolved:
+            return
+        for event in reversed(self._graph_pool[: self._graph_used]):  # the last first: then the rest are done
+            event.synchronize()
+        for span in self._unresolved:
+            span.start, span.end = self._host_time(span.start), self._host_time(span.end)
+        self._unresolved = []
+
+    def replayed(self, args: dict[str, Any]) -> None:
+        """The captured step was just replayed in a traced window: add the template's spans, with ``args``."""
+        if not self.active or self._capturing:
+            return
+        for span in self._template:
+            if span.start is None or span.end is None:
+                continue
+            copy = Span(span.name, span.cat, span.tid, {**span.args, **args, "graph": True}, span.start, span.end)
+            self._spans.append(copy)
+            self._unresolved.append(copy)
+
     def _host_time(self, stamp: Any) -> float:
         if isinstance(stamp, float):
             return stamp
@@ -186,6 +257,9 @@ class SpanRecorder:
     def open(self, name: str, cat: str, tid: int, args: Optional[dict[str, Any]] = None, host: bool = False) -> Span:
         span = Span(name, cat, tid, dict(args or {}), host=host)
         span.start = self._stamp(host)
+        if self._capturing and not host:
+            self._template.append(span)  # no enqueue times: the replays queue the whole step at once
+            return span
         if self.use_cuda and not host:
             span.enqueued = now_us()
         self._spans.append(span)

@@ -33,6 +33,9 @@ Contract:
   gradient-accumulator node then, and autograd runs that node on the stream that was current at creation. On
   the legacy default stream the capture would fail (it may not wait on a capturing stream); on the graph's
   stream the whole step, accumulation included, is captured where it runs.
+* ``observers`` (the strategy's graph-safe step listeners, ``strategy.listeners``) are told when a capture starts
+  and ends (``graph_capture``) and around each replay (``graph_replay``); ``key`` (which observers) is part of the
+  signature, so a changed set is captured anew.
 * The outputs are copied out of the graph's memory after each replay, so a loss the caller keeps is not
   overwritten by the next step. ``reset()`` frees the graph and its memory pool.
 """
@@ -84,7 +87,7 @@ class StepGraph:
         self.gave_up_because: Optional[str] = None  # why a non-strict graph stopped capturing (for callers and tests)
         self.captures = 0  # graphs captured so far (tests, the benchmark)
         self.replays = 0
-        self.eager_steps_by_caller = 0  # steps the caller ran without the graph (MegaScan tracing)
+        self.eager_steps_by_caller = 0  # steps the caller ran without the graph (MegaScope, fault injectors)
         self._signature: Optional[tuple[Any, ...]] = None
         self._eager_steps = 0
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -112,10 +115,12 @@ class StepGraph:
             torch.cuda.set_stream(self._previous_stream)
         self._stream = self._previous_stream = None
 
-    def __call__(self, run: StepFn, microbatches: Sequence[Any]) -> StepOutput:
+    def __call__(
+        self, run: StepFn, microbatches: Sequence[Any], observers: Sequence[Any] = (), key: Any = ()
+    ) -> StepOutput:
         if self._gave_up:
             return run(microbatches)
-        signature = _signature(microbatches)
+        signature = (_signature(microbatches), key)
         if signature != self._signature:
             if self._signature is not None and self.captures >= self.max_captures:
                 self._gave_up = True
@@ -141,7 +146,11 @@ class StepGraph:
                     )
                 return out
             try:
-                self._capture(run, microbatches)
+                _tell(observers, "graph_capture", True)
+                try:
+                    self._capture(run, microbatches)
+                finally:
+                    _tell(observers, "graph_capture", False)
             except _CaptureFailed as failure:
                 self._give_up(str(failure), cause=failure.__cause__)
                 raise StepNotRun(str(failure)) from failure.__cause__
@@ -149,8 +158,10 @@ class StepGraph:
             for static, new in zip(self._static_inputs, _tensors(microbatches)):
                 static.copy_(new, non_blocking=True)
         assert self._graph is not None and self._static_output is not None
+        _tell(observers, "graph_replay", True)
         self._graph.replay()
         self.replays += 1
+        _tell(observers, "graph_replay", False)
         out = self._static_output
         return StepOutput(loss=out.loss.clone(), loss_sum=out.loss_sum.clone(), num_tokens=out.num_tokens.clone())
 
@@ -212,6 +223,12 @@ class StepGraph:
             ) from error
         self._graph, self._static_output = graph, output
         self.captures += 1
+
+
+def _tell(observers: Sequence[Any], hook: str, started: bool) -> None:
+    """Call ``hook(started)`` on each observer: in order when something starts, in reverse when it ends."""
+    for observer in observers if started else reversed(observers):
+        getattr(observer, hook)(started)
 
 
 class _CaptureFailed(Exception):

@@ -6,6 +6,12 @@ schedule (a future one included, as long as it follows megatron-core's conventio
 forward step, so it also knows which microbatch and model chunk each forward and backward belongs to.
 ``StepListener`` is that interface: tracing (``lightning_megatron.scan``) and fault injection implement it;
 the strategy installs a dispatcher as ``config.timers`` only while a listener is registered.
+
+A step replayed as a CUDA graph runs none of this Python: the calls happen once, while the step is captured. A
+listener whose work inside the step is only recording CUDA events declares ``graph_safe = True``; the strategy
+then keeps the graph, tells it when a capture starts and ends (``graph_capture``) and around every replay
+(``graph_replay``), and the listener reads each replay's timing from the events it recorded during the capture.
+Any other listener (a fault injector, MegaScope's hooks) makes the strategy run the step eagerly.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class StepListener:
     """
 
     nesting: int = 0
+    graph_safe: bool = False
+    """Its work inside a step only records CUDA events (``torch.cuda.Event(external=True)`` while capturing), so
+    the step may be captured with it and replayed."""
 
     def span_start(self, name: str) -> None:
         """A megatron-core timer started: ``forward-compute``, ``backward-compute``, ``forward-send``, ..."""
@@ -56,6 +65,14 @@ class StepListener:
 
         Each is ``{"peer", "bytes", "seq", "direction", ...}``; ``seq`` is the same on both ends of a message
         (MegaDPP: its tag), so a tracer pairs sends with receives whatever order they ran in."""
+
+    def graph_capture(self, started: bool) -> None:
+        """Graph-safe listeners: the step now running is being captured into a CUDA graph (``started``), or that
+        capture has ended, also when it failed. The calls in between happen once; their GPU work at every replay."""
+
+    def graph_replay(self, started: bool) -> None:
+        """Graph-safe listeners: the captured step is about to be replayed (``started``), or has just been queued.
+        Events recorded during the capture are overwritten by each replay: read them before the next one."""
 
 
 class _Timer:

@@ -480,14 +480,15 @@ class MegatronAppStrategy(ParallelStrategy):
                 listeners=tuple(self._step_listeners),
             )
 
-        if self._step_graph is not None and not forward_only:
-            if self._step_listeners:  # MegaScan's CUDA events, MegaScope's hooks: they need an eager step
-                self._step_graph.note_eager_step("MegaScan or MegaScope looks into this step")
-            else:
-                try:
-                    return self._step_graph(step, microbatches)
-                except StepNotRun:  # automatic graphs gave up during the capture (warned): run this step eagerly
-                    self._clear_grads()
+        graph = None if forward_only else self._step_graph
+        watching = tuple(self._step_listeners)
+        if graph is not None and not all(getattr(listener, "graph_safe", False) for listener in watching):
+            graph.note_eager_step("a step listener (MegaScope, a fault injector) looks into this step")
+        elif graph is not None:  # MegaScan's events are graph-safe: it traces the replays
+            try:
+                return graph(step, microbatches, watching, key=tuple(map(id, watching)))
+            except StepNotRun:  # automatic graphs gave up during the capture (warned): run this step eagerly
+                self._clear_grads()
         return step(microbatches)
 
     def _clear_grads(self) -> None:
