@@ -3,8 +3,8 @@
 * The torch path of the norms (the kernels' formulas) equals ATen's LayerNorm/RMSNorm in fp32 within 1e-6
   relative (‖ours − ATen‖ / ‖ATen‖; only the summation order differs) for the output and the input, weight and
   bias gradients; the bias-gradient pieces are bit-for-bit megatron-core's arithmetic on CPUs.
-* The Triton kernels themselves, run by Triton's CPU interpreter (skipped without Triton), against the torch
-  path on odd shapes, with NaN-poisoned outputs.
+* The Triton kernels themselves, run by Triton's CPU interpreter (the dev extra installs Triton, so CI runs
+  them; skipped without it), against the torch path on odd shapes, with NaN-poisoned outputs.
 * The fused bias-dropout-add + norm (``residual_norm``) equals megatron-core's bias-dropout-add followed by ATen's
   norm in fp32: the residual sum bit-for-bit, the rest within 1e-6, with gradients flowing into both outputs.
 * A tiny GPTModule fit with ``fused_norms``/``fused_bias_grad``/``fused_residual_norm`` on gives the unfused
