@@ -23,13 +23,13 @@ the torch version). Neither absolute clock is needed: right after the window's f
 flight) the session starts and an anchor kernel (``torch.cuda._sleep``, a few hundred cycles) is launched right
 before the reference event; at the window's end an event is recorded and a second anchor launched right after
 it, on the same stream. The first anchor's *end* is the reference event's time, the second's *start* the end
-event's time (each within the µs the GPU takes between two queued commands). That holds only if the host queues
-the reference event before the first anchor ends, and the GPU, idle after the synchronize, starts the anchor as
-soon as it is launched, while CUPTI can hold the host inside that launch for 0.1–0.25 ms (measured on an H100: windows
-off by 160–250 µs). So the first anchor spins ~0.5 ms, longer than that; at the end a spin of the same length
-(``hold``, right before the end event: after every span, so in none of them) keeps the end event and the second
-anchor queued together when the GPU has caught up with the host. A linear map through these two
-points puts every record on the span clock and corrects any rate difference between the two clocks. How far
+event's time (each within the µs the GPU takes between two queued commands). That holds only if the host
+queues the reference event before the first anchor ends; but the GPU, idle after the synchronize, starts the
+anchor as soon as it is launched, while CUPTI can hold the host inside that launch for 0.1–0.25 ms (measured on
+an H100: windows off by 160–250 µs). So the first anchor spins ~0.5 ms, longer than that; at the end a spin of
+the same length (``hold``, right before the end event: after every span, so in none of them) keeps the end
+event and the second anchor queued together when the GPU has caught up with the host. A linear map through
+these two points puts every record on the span clock and corrects any rate difference between the two clocks. How far
 the anchors' distance and the events' distance differ (``Alignment.error_us``: the rate difference plus the
 different latencies at the two ends) bounds how far the map can be off; a window whose anchors are missing, out
 of order or differ by more than ``MAX_ALIGN_ERROR_US`` (or 0.1 % of the window) gets no busy time rather than a
@@ -183,8 +183,8 @@ class KernelActivity:
     """A CUDA-only ``torch.profiler`` session over one traced window (CUDA builds of torch only).
 
     ``start()`` after the window's synchronize, ``anchor()`` right before its reference event, ``hold()`` right
-    before its end event and ``anchor()`` right after it, ``stop()`` after the final synchronize: the GPU activity records of the window. A session never
-    nests in another one (``Trainer(profiler="pytorch")``, ``MegaScan(profile_steps=...)``, a user's): ``start``
+    before its end event and ``anchor()`` right after it, ``stop()`` after the final synchronize: the GPU activity
+    records of the window. A session never nests in another one (``Trainer(profiler="pytorch")``, ``MegaScan(profile_steps=...)``, a user's): ``start``
     returns False while another runs, and the window goes without busy time. Each session ends by detaching CUPTI
     (``compat/cupti_teardown.py``): left attached, it slowed every later kernel launch of the fit."""
 

@@ -245,8 +245,8 @@ def check_cuda_graphs(enabled: Any, *, pipeline: int) -> Optional[bool]:
         raise MegatronConfigError(
             f"cuda_graphs=True with pipeline_model_parallel_size={pipeline}: the step graph covers one rank's "
             "whole step, which only megatron-core's no-pipelining schedule keeps on the GPU (pipeline schedules wait "
-            "on other stages from the host: MegaDPP and MegaFBD from their transport threads). Use pipeline_model_parallel_size=1 (tensor and data parallelism are "
-            "fine), or cuda_graphs=False."
+            "on other stages from the host: MegaDPP and MegaFBD from their transport threads). Use "
+            "pipeline_model_parallel_size=1 (tensor and data parallelism are fine), or cuda_graphs=False."
         )
     return True
 
