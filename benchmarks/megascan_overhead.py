@@ -51,6 +51,15 @@ GPU_MODELS = {
 MICRO_BATCH = {"small": 4, "medium": 2}
 CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, num_attention_heads=4)
 FACTORS = [1.1, 1.2, 1.5]
+OVERHEAD_CASES = (  # the *_default_graphs ones on one GPU only
+    "plain",
+    "traced",
+    "traced_busy_every_window",
+    "traced_cupti_left_attached",
+    "traced_no_busy_time",
+    "plain_default_graphs",
+    "traced_default_graphs",
+)
 
 
 def fit_once(
@@ -187,7 +196,7 @@ def _worker(spec: dict[str, Any]) -> None:
             out["traced_over_default_graphs"] = median["traced"] / median["plain_default_graphs"] - 1.0
         out.update(
             median_step_ms_per_pair=per_pair,
-            steps_each=len(next(iter(times.values()))),
+            steps_each=len(next(iter(times.values()), [])),
             note="fits eager (cuda_graphs=False) except *_default_graphs; MegaScan's default gpu_busy_every=10",
         )
     else:
@@ -274,7 +283,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10, help="detection runs per slowdown and clean")
     parser.add_argument("--pairs", type=int, default=3, help="overhead: alternations of plain and traced fits")
     parser.add_argument("--only", nargs="*", default=["overhead", "detection"])
-    parser.add_argument("--cases", nargs="*", help="overhead: only these cases (e.g. plain_default_graphs ...)")
+    parser.add_argument("--cases", nargs="*", choices=OVERHEAD_CASES, help="overhead: only these cases")
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium", help="GPU model size")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU processes (gloo)")
     parser.add_argument("--keep-traces", type=Path, help="also write the detection runs' traces here (.tar.gz)")
