@@ -12,12 +12,16 @@ The graph's own events time a replayed step (``scan.recorder``), so tracing no l
   (busy time within 15%), and a replayed span, free of the eager step's launch gaps, lasts about as long as the
   eager step's kernels ran in it.
 * A listener that is not graph-safe (``SlowdownInjector``) still makes every step eager.
+* Shapes and settings the recorder's design did not start from: a Llama-style model with dropout (tracing must not
+  shift the Philox streams), ``granularity="op"`` (hundreds of events per step in the graph), ``profile_steps`` on a
+  replayed step, and Lightning's own ``PyTorchProfiler`` recording while the step is captured.
 
 ``LM_RESULTS_DIR``: where the numbers go (``megascan_graphs_gpu.json``).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any, Optional
@@ -46,17 +50,27 @@ class _Losses(pl.Callback):
 
 
 def _fit(
-    trace_dir: Optional[Path], callbacks: list[Any] = (), cuda_graphs: Optional[bool] = None, **module: Any
+    trace_dir: Optional[Path],
+    callbacks: list[Any] = (),
+    cuda_graphs: Optional[bool] = None,
+    shape: Optional[dict[str, Any]] = None,
+    scan: Optional[dict[str, Any]] = None,
+    trainer_options: Optional[dict[str, Any]] = None,
+    **module: Any,
 ) -> dict[str, Any]:
+    """One fit of ``shape`` (default ``SHAPE``) with MegaScan (``scan`` overrides its test settings) when
+    ``trace_dir`` is set; ``trainer_options``: further Trainer arguments."""
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data import SyntheticTokenDataModule
     from lightning_megatron.models import GPTModule
     from lightning_megatron.scan import MegaScan
 
+    shape = shape or SHAPE
     losses = _Losses()
-    scan = []
+    tracers = []
     if trace_dir is not None:
-        scan = [MegaScan(trace_dir, interval=2, window=2, granularity="layer", detect=False, gpu_busy_every=1)]
+        settings = {**dict(interval=2, window=2, granularity="layer", detect=False, gpu_busy_every=1), **(scan or {})}
+        tracers = [MegaScan(trace_dir, **settings)]
     strategy = MegatronAppStrategy(micro_batch_size=2, cuda_graphs=cuda_graphs)
     trainer = pl.Trainer(
         accelerator="gpu",
@@ -69,16 +83,17 @@ def _fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[*scan, *callbacks, losses],
+        callbacks=[*tracers, *callbacks, losses],
+        **(trainer_options or {}),
     )
     data = SyntheticTokenDataModule(
-        vocab_size=SHAPE["vocab_size"],
-        seq_length=SHAPE["seq_length"],
+        vocab_size=shape["vocab_size"],
+        seq_length=shape["seq_length"],
         global_batch_size=2 * MICROBATCHES,
         num_train_samples=2 * MICROBATCHES * STEPS,
     )
     torch.manual_seed(0)
-    trainer.fit(GPTModule(**SHAPE, layer_spec="sdpa", **module), data)
+    trainer.fit(GPTModule(**shape, layer_spec="sdpa", **module), data)
     graph = strategy.step_graph
     counts = None if graph is None else (graph.captures, graph.replays, graph.eager_steps_by_caller)
     return {"losses": losses.losses, "graph": counts}
@@ -99,7 +114,7 @@ def _steps(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
 def _inside(step: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The spans of the step function (the captured part): compute, layers, gradient sync; not the optimizer's
     collectives, which run eagerly after the replay."""
-    return [e for e in step if e["cat"] in ("compute", "compute.layer", "grad_sync")]
+    return [e for e in step if e["cat"] in ("compute", "compute.layer", "compute.op", "grad_sync")]
 
 
 def _shape(step: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -137,19 +152,7 @@ def test_replayed_steps_hold_the_eager_steps_spans(fits: dict[str, Any], tmp_pat
     eager_step = steps[1]  # the second warm-up step: traced eagerly
     assert not any(e["args"].get("graph") for e in eager_step)
     assert all("enqueue_us" in e["args"] for e in _inside(eager_step))
-    for number in range(2, STEPS):  # the capture's step (2) and the replays
-        step = steps[number]
-        inside = _inside(step)
-        assert _shape(step) == _shape(eager_step), number
-        stray = [e for e in inside if e["args"].get("graph") is not True or "enqueue_us" in e["args"]]
-        assert not stray, stray[:3]
-        (frame,) = [e for e in step if e["cat"] == "step"]
-        assert all(frame["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= frame["ts"] + frame["dur"] + 1 for e in inside)
-        assert all(e["dur"] > 0 for e in inside)
-        forwards = sorted(
-            (e for e in inside if e["cat"] == "compute" and e["name"] == "forward"), key=lambda e: e["ts"]
-        )
-        assert [e["args"]["microbatch"] for e in forwards] == list(range(MICROBATCHES))
+    _assert_replays_hold(steps, eager_step)
 
     # GPU busy time (every window tries; busy.py rejects a window whose anchors and events disagree): the profiler
     # sees the replayed kernels, and a GPU-bound replay runs kernels through (nearly) all of every compute span.
@@ -181,6 +184,24 @@ def test_replayed_steps_hold_the_eager_steps_spans(fits: dict[str, Any], tmp_pat
         assert 0.9 < numbers["replayed_dur_ms"] / numbers["eager_busy_ms"] < 1.3, row
 
 
+def _assert_replays_hold(steps: dict[int, list[dict[str, Any]]], eager_step: list[dict[str, Any]]) -> None:
+    """Every step from the capture's (2) on holds ``eager_step``'s spans, marked as replayed (no enqueue fields),
+    inside its step span, not empty, the forwards in microbatch order."""
+    for number in range(2, STEPS):
+        step = steps[number]
+        inside = _inside(step)
+        assert _shape(step) == _shape(eager_step), number
+        stray = [e for e in inside if e["args"].get("graph") is not True or "enqueue_us" in e["args"]]
+        assert not stray, stray[:3]
+        (frame,) = [e for e in step if e["cat"] == "step"]
+        assert all(frame["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= frame["ts"] + frame["dur"] + 1 for e in inside)
+        assert all(e["dur"] > 0 for e in inside)
+        forwards = sorted(
+            (e for e in inside if e["cat"] == "compute" and e["name"] == "forward"), key=lambda e: e["ts"]
+        )
+        assert [e["args"]["microbatch"] for e in forwards] == list(range(MICROBATCHES))
+
+
 def _median(steps: dict[int, list[dict[str, Any]]], name: str, field: str) -> float:
     """Median over steps 2 and later of the compute spans ``name``: ``dur`` or ``busy_us`` (where measured), ms."""
     values = [
@@ -200,3 +221,99 @@ def test_a_listener_that_is_not_graph_safe_keeps_steps_eager(tmp_path: Path) -> 
     out = _fit(tmp_path / "trace", [SlowdownInjector(ranks=[0], factor=1.2)])
     captures, replays, eager_steps = out["graph"]
     assert (captures, replays) == (0, 0) and eager_steps == STEPS, out["graph"]
+
+
+# Llama-style (RMSNorm, SwiGLU, rotary embeddings, grouped queries, no biases), with dropout: other kernels in the
+# graph (the rotary and SwiGLU ones, the dropout's Philox draws), same GPU-bound size as SHAPE.
+LLAMA_SHAPE = dict(
+    SHAPE,
+    num_query_groups=4,
+    ffn_hidden_size=5632,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+)
+
+
+def test_llama_style_with_dropout_traced_on_replays(tmp_path: Path) -> None:
+    """Tracing takes nothing from the dropout streams: the traced and untraced graphed fits draw the same masks
+    (losses equal within cuDNN's noise, where a shifted Philox offset would give other masks and other losses)."""
+    traced = _fit(tmp_path / "trace", shape=LLAMA_SHAPE)
+    untraced = _fit(None, shape=LLAMA_SHAPE)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(traced["losses"], untraced["losses"]))
+    record(
+        "megascan_graphs_gpu.json",
+        tmp_path,
+        "llama_style_dropout",
+        {"model": LLAMA_SHAPE, "graph": traced["graph"], "max_rel_loss_diff_traced_vs_untraced": worst},
+    )
+    assert traced["graph"] == untraced["graph"] == (1, STEPS - 2, 0), (traced["graph"], untraced["graph"])
+    assert len(traced["losses"]) == STEPS and worst <= 1e-3, (traced["losses"], untraced["losses"])
+    steps = _steps(tmp_path / "trace")
+    _assert_replays_hold(steps, steps[1])
+
+
+def test_op_granularity_on_replays(tmp_path: Path) -> None:
+    """Every module with parameters gets a span pair per call: hundreds of events per step, all in the graph."""
+    out = _fit(tmp_path / "trace", scan={"granularity": "op"})
+    assert out["graph"] == (1, STEPS - 2, 0), out["graph"]
+    steps = _steps(tmp_path / "trace")
+    ops = [e for e in steps[1] if e["cat"] == "compute.op"]
+    per_layer = {e["args"]["part"] for e in ops}
+    # attention's QKV and output projections and the MLP's two linears at least, forward and backward, per layer
+    assert len(ops) >= SHAPE["num_layers"] * MICROBATCHES * 4 * 2 and len(per_layer) >= 4, (len(ops), per_layer)
+    _assert_replays_hold(steps, steps[1])
+    record(
+        "megascan_graphs_gpu.json",
+        tmp_path,
+        "op_granularity",
+        {"graph": out["graph"], "op_spans_per_step": len(ops), "parts": sorted(per_layer)},
+    )
+
+
+def test_profile_steps_on_a_replayed_step(tmp_path: Path) -> None:
+    """``MegaScan(profile_steps=[4])`` on a step that is a replay: its Kineto trace holds the graph's kernels, and
+    MegaScan's own spans of that step are there as on every other replay."""
+    out = _fit(tmp_path / "trace", scan={"profile_steps": [4]})
+    assert out["graph"] == (1, STEPS - 2, 0), out["graph"]
+    steps = _steps(tmp_path / "trace")
+    _assert_replays_hold(steps, steps[1])
+    (kineto,) = sorted((tmp_path / "trace" / "profile").glob("*.pt.trace.json*"))
+    events = json.loads(kineto.read_text())["traceEvents"]
+    marks = [e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    record(
+        "megascan_graphs_gpu.json",
+        tmp_path,
+        "profile_steps_on_replay",
+        {"graph": out["graph"], "marks": marks, "kernels": len(kernels)},
+    )
+    assert set(marks) == {"ProfilerStep#4"}, marks  # (the CPU annotation and its GPU copy)
+    assert len(kernels) > 100, len(kernels)  # a replay of six layers x four microbatches, forward and backward
+
+
+def test_lightning_pytorch_profiler_during_the_capture(tmp_path: Path) -> None:
+    """``Trainer(profiler="pytorch")``: Lightning's default schedule records steps 2-4, so its Kineto session (CUPTI
+    attached) spans the capture. The graph is still captured and replayed, MegaScan traces the replays (busy time
+    is skipped while another profiler session runs), and the fit trains as the untraced, unprofiled one."""
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    profiler = PyTorchProfiler(dirpath=tmp_path / "lightning", filename="prof", export_to_chrome=True)
+    out = _fit(tmp_path / "trace", trainer_options={"profiler": profiler})
+    plain = _fit(None)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], plain["losses"]))
+    exported = sorted((tmp_path / "lightning").rglob("*.json"))
+    record(
+        "megascan_graphs_gpu.json",
+        tmp_path,
+        "lightning_profiler_during_capture",
+        {"graph": out["graph"], "max_rel_loss_diff": worst, "exported": [p.name for p in exported]},
+    )
+    assert out["graph"] == (1, STEPS - 2, 0), out["graph"]
+    assert worst <= 1e-4, (out["losses"], plain["losses"])
+    assert exported, "Lightning's profiler wrote no trace"
+    steps = _steps(tmp_path / "trace")
+    _assert_replays_hold(steps, steps[1])
