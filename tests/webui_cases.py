@@ -523,10 +523,79 @@ def foreign_load(before: dict[str, float], after: dict[str, float]) -> float:
     return max(0.0, (after["host"] - before["host"]) - (after["ours"] - before["ours"])) / seconds
 
 
-def main_thread_cpu(trace_path: Path, mark: str, frames: list[dict[str, Any]]) -> list[float]:
+class RunQueueWait:
+    """How long Chromium's renderer main threads waited for a core, sampled while a replay runs.
+
+    ``/proc/PID/schedstat``'s second field is the time (ns) the process's main thread was runnable but not
+    running: on 2 cores, the part of a long frame's wall time that the scheduler, not the page, added (the replay
+    server and Chromium's other processes take turns with it). ``start()`` finds this process's renderer
+    descendants and samples them every ``interval`` seconds on a thread until ``stop()``; ``waited_ms(pid, lo,
+    hi)`` interpolates the wait between two ``time.monotonic()`` instants."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.samples: dict[int, list[tuple[float, float]]] = {}  # pid -> [(monotonic s, cumulative wait ms)]
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @staticmethod
+    def _renderers() -> list[int]:
+        stats = {pid: _proc_stat(pid) for pid in os.listdir("/proc") if pid.isdigit()}
+        children: dict[int, list[int]] = {}
+        for pid, stat in stats.items():
+            if stat is not None:
+                children.setdefault(stat[0], []).append(int(pid))
+        found, stack = [], list(children.get(os.getpid(), []))
+        while stack:
+            pid = stack.pop()
+            stack.extend(children.get(pid, []))
+            try:
+                if b"--type=renderer" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+        return found
+
+    def start(self) -> None:
+        pids = self._renderers()
+        self.samples = {pid: [] for pid in pids}
+
+        def sample() -> None:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                for pid in pids:
+                    try:
+                        waited_ns = int(Path(f"/proc/{pid}/schedstat").read_text().split()[1])
+                    except (OSError, IndexError, ValueError):
+                        continue
+                    self.samples[pid].append((now, waited_ns / 1e6))
+                self._stop.wait(self.interval)
+
+        self._stop.clear()
+        self._thread = threading.Thread(target=sample, name="run-queue-wait", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def waited_ms(self, pid: int, lo: float, hi: float) -> Optional[float]:
+        """The main thread's run-queue wait between monotonic instants ``lo`` and ``hi``; None if not sampled."""
+        points = self.samples.get(pid) or []
+        if len(points) < 2 or lo < points[0][0] or hi > points[-1][0]:
+            return None
+        times = [t for t, _ in points]
+        values = [v for _, v in points]
+        return float(np.interp(hi, times, values) - np.interp(lo, times, values))
+
+
+def main_thread_cpu(trace_path: Path, mark: str, frames: list[dict[str, Any]]) -> tuple[int, list[float]]:
     """Per long animation frame (``start``/``duration`` in page milliseconds), the CPU time the renderer's main
     thread spent in it, from a Chromium trace (category ``toplevel``: tasks with thread time ``tdur``) that
-    holds the performance mark ``mark`` (it maps page time to trace time)."""
+    holds the performance mark ``mark`` (it maps page time to trace time); and the renderer's pid (the
+    trace's, the operating system's on Linux)."""
     data = json.loads(trace_path.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     marker = next(e for e in events if e.get("name") == mark and e.get("cat") == "blink.user_timing")
@@ -556,4 +625,4 @@ def main_thread_cpu(trace_path: Path, mark: str, frames: list[dict[str, Any]]) -
             if overlap > 0:
                 cpu += thread * overlap / (end - start)
         out.append(cpu / 1000.0)
-    return out
+    return int(marker["pid"]), out
