@@ -138,7 +138,7 @@ def worker(
                 if "slow_rank" in case:
                     injector = SlowdownInjector([case["slow_rank"]], case["factor"])
                     injector.setup(trainer, pl_module, "fit")
-                old, strategy._session = strategy._session, session(case["schedule"], options)
+                old, strategy._steps.session = strategy._steps.session, session(case["schedule"], options)
                 # gradient_accumulation_fusion for this case only (what the strategy's argument installs)
                 fused = split_linears(strategy.wrapped_chunks) if case.get("fused_wgrad") else None
                 times = []
@@ -150,15 +150,15 @@ def worker(
                         sync()
                         times.append(time.perf_counter() - start)
                         losses.setdefault(f"{case['condition']}/{case.get('name', 'calibration')}", float(out.loss))
-                    learned = getattr(strategy._session, "policy", None)
+                    learned = getattr(strategy._steps.session, "policy", None)
                     if getattr(learned, "forward_s", None):
                         timings["forward_s"] = learned.forward_s
                         timings["backward_s"] = learned.backward_s
                 finally:
                     if fused is not None:
                         fused.restore()
-                    strategy._session.close()
-                    strategy._session = old
+                    strategy._steps.session.close()
+                    strategy._steps.session = old
                     if injector is not None:
                         injector.teardown(trainer, pl_module, "fit")
                 return times

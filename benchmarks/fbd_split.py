@@ -72,8 +72,8 @@ def split_worker(args: argparse.Namespace) -> None:
                     if case["options"] is not None
                     else None
                 )
-                old, strategy._session = (
-                    strategy._session,
+                old, strategy._steps.session = (
+                    strategy._steps.session,
                     entry.open(ScheduleContext(options, strategy.root_device, 600.0)),
                 )
                 times = []
@@ -84,13 +84,13 @@ def split_worker(args: argparse.Namespace) -> None:
                         strategy.forward_backward(batch)
                         sync()
                         times.append(time.perf_counter() - start)
-                    prediction = getattr(strategy._session, "prediction", None)
+                    prediction = getattr(strategy._steps.session, "prediction", None)
                     if prediction is not None:
                         predictions.setdefault(case["name"], []).append(prediction)
-                        models[case["name"]] = describe(strategy._session.parts, prediction)
+                        models[case["name"]] = describe(strategy._steps.session.parts, prediction)
                 finally:
-                    strategy._session.close()
-                    strategy._session = old
+                    strategy._steps.session.close()
+                    strategy._steps.session = old
                 return times
 
             for round_ in range(args.rounds):

@@ -70,7 +70,7 @@ MODELS: dict[str, dict[str, Any]] = {
         vocab_size=50257,
         micro_batch_size=8,
         num_microbatches=4,
-        layouts={"1gpu": (1, 1, 1)},
+        layouts={"1gpu": (1, 1, 1), "dp2": (2, 1, 1)},
     ),
     # Llama-style (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output layer): 0.85B parameters.
     "llama-0.85b": dict(

@@ -41,7 +41,7 @@ def fit_recording(world_size: int, steps: int = 3, callbacks: Optional[list] = N
 
     class Order(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            session = trainer.strategy._session
+            session = trainer.strategy._steps.session
             order[:] = [str(t) for t in getattr(session, "last_order", [])]
             sequence[:] = list(getattr(session, "last_sequence", []))
             held[:] = [getattr(session, "last_peak_held", None)]
@@ -60,7 +60,7 @@ def fit_recording_with_allowance(world_size: int, fraction: float, **strategy: A
 
     class Allowance(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            session = trainer.strategy._session
+            session = trainer.strategy._steps.session
             if session is not None:
                 session.weight_grad_bytes = int(fraction * session.last_weight_grad_bytes)
 
@@ -81,8 +81,8 @@ class _Experiments(pl.Callback):
         batch = strategy.batch_to_device(batch)
         for run in self.runs:
             options = parse_options(run)
-            old = strategy._session
-            strategy._session = strategy.schedule.open(ScheduleContext(options, strategy.root_device, 60.0))
+            old = strategy._steps.session
+            strategy._steps.session = strategy.schedule.open(ScheduleContext(options, strategy.root_device, 60.0))
             try:
                 out = strategy.forward_backward(batch)
                 self.results.append(
@@ -90,13 +90,13 @@ class _Experiments(pl.Callback):
                         "run": run,
                         "loss": float(out.loss),
                         "grads": _main_grads(strategy),
-                        "order": [str(t) for t in strategy._session.last_order],
-                        "peak": strategy._session.last_peak,
+                        "order": [str(t) for t in strategy._steps.session.last_order],
+                        "peak": strategy._steps.session.last_peak,
                     }
                 )
             finally:
-                strategy._session.close()
-                strategy._session = old
+                strategy._steps.session.close()
+                strategy._steps.session = old
         trainer.should_stop = True
 
 

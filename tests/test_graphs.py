@@ -83,21 +83,25 @@ def test_only_the_class_that_defines_forward_step_can_promise_it_is_capturable(
 @pytest.mark.parametrize(
     ("requested", "where", "expected"),
     [
-        (None, {}, True),  # one GPU, bf16, GPTModule: on
+        (None, {}, True),  # one node, PP 1 (one GPU, TP, DP), bf16, GPTModule: on
         (None, {"on_cpu": True}, False),
-        (None, {"world_size": 2}, False),  # TP/DP graphs: opt-in until their two-GPU parity has run
+        (None, {"pipeline": 2}, False),  # pipeline schedules wait on other stages from the host
+        (None, {"num_nodes": 2}, False),  # never run across nodes: opt-in there
+        (True, {"num_nodes": 2}, True),
+        (None, {"unchecked": ("overlap_param_gather",)}, False),  # never run graphed with several processes
+        (True, {"unchecked": ("tp_comm_overlap",)}, True),
         (None, {"params_dtype": torch.float16}, False),
         (None, {"module": "own step"}, False),
-        (True, {"world_size": 2}, True),
         (True, {"module": "own step"}, True),
         (False, {}, False),
+        (None, {"fitting": False}, False),  # validate/test/predict: no training step to replay
+        (True, {"fitting": False}, False),
     ],
 )
 def test_automatic_graphs_apply_where_they_were_measured(requested: Any, where: dict[str, Any], expected: bool) -> None:
     kwargs: dict[str, Any] = {
         "module": GPTModule.__new__(GPTModule),
         "on_cpu": False,
-        "world_size": 1,
         "params_dtype": torch.bfloat16,
         **where,
     }
@@ -109,9 +113,9 @@ def test_automatic_graphs_apply_where_they_were_measured(requested: Any, where: 
 def test_graphs_asked_for_where_they_cannot_work_are_errors() -> None:
     module = GPTModule.__new__(GPTModule)
     with pytest.raises(MegatronConfigError, match="needs GPUs"):
-        resolve_cuda_graphs(True, module=module, on_cpu=True, world_size=1, params_dtype=torch.float32)
+        resolve_cuda_graphs(True, module=module, on_cpu=True, params_dtype=torch.float32)
     with pytest.raises(MegatronConfigError, match="bf16-mixed"):
-        resolve_cuda_graphs(True, module=module, on_cpu=False, world_size=1, params_dtype=torch.float16)
+        resolve_cuda_graphs(True, module=module, on_cpu=False, params_dtype=torch.float16)
 
 
 def test_fp16_is_refused_with_the_fix() -> None:

@@ -381,6 +381,7 @@ def test_by_default_a_step_that_cannot_be_captured_warns_and_trains_eagerly(tmp_
 
 TWO_GPU_LAYOUTS = {
     "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "tp2": {"tensor_model_parallel_size": 2},
     "dp2": {},
     "dp2-distopt-overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
 }

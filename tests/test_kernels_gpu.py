@@ -150,6 +150,38 @@ def test_fit_bf16_with_fused_kernels_matches_unfused(tmp_path: Path) -> None:
         assert on == pytest.approx(off, rel=2e-2), results
 
 
+_VALIDATE = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import lightning.pytorch as pl
+import torch
+from test_kernels import fused_modules
+from lightning_megatron import MegatronAppStrategy
+from lightning_megatron.data import SyntheticTokenDataModule
+from lightning_megatron.models import GPTModule
+
+model = GPTModule(vocab_size=512, seq_length=128, num_layers=2, hidden_size=256, num_attention_heads=4)
+data = SyntheticTokenDataModule(vocab_size=512, seq_length=128, global_batch_size=4, num_train_samples=8,
+                                num_val_samples=8)
+strategy = MegatronAppStrategy()
+trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", strategy=strategy, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.validate(model, data, verbose=False)
+print("RESULT", json.dumps({"replays_cuda_graphs": strategy.replays_cuda_graphs, "fused": fused_modules(model)}))
+"""
+
+
+def test_a_validate_only_run_keeps_the_eager_kernels() -> None:
+    """One GPU, flags unset, ``trainer.validate`` alone: no training step to replay, so the fused kernels (chosen
+    with the graph; slower in eager steps) stay off, and nothing is compiled for them."""
+    done = subprocess.run([sys.executable, "-c", _VALIDATE], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert result["replays_cuda_graphs"] is False, result
+    assert not any(result["fused"].values()), result
+
+
 @pytest.mark.parametrize("width", [2048, 3072, 4096, 1000])
 def test_bias_grad_bf16_parity(poisoned: Any, width: int, tmp_path: Path) -> None:
     from lightning_megatron.kernels import bias_grad

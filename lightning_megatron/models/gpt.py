@@ -112,9 +112,11 @@ class GPTModule(MegatronLightningModule):
             backward reads the input and its gradient once for the input, weight and bias gradients (ATen's
             reads them twice); the same function within bf16 rounding. On CPUs the same arithmetic as torch
             ops (no speed-up). Local/sdpa specs only. ``None`` (default), for this and the next two: on where
-            the strategy replays the training step as a CUDA graph (one GPU by default), where the three
-            together were measured faster (GPT-2-medium 1.05×, Llama-style 0.85B 1.03× on an H100); off in
-            eager steps, where their launches cost more host time than they save (GPT-2-medium 0.97×).
+            the strategy replays the training step as a CUDA graph (by default on one node with PP 1), where the
+            three together were measured faster (GPT-2-medium 1.05×, Llama-style 0.85B 1.03× on an H100), and
+            with pipeline stages (PP > 1, eager by design, GPU-bound at the sizes people pipeline: the 1.3B GPT at
+            PP2 1.02×, 477-478 against 466-467 TFLOP/s per H200); off in other eager steps, where their launches
+            cost more host time than they save (GPT-2-medium 0.97×).
         fused_bias_grad: The bias gradients of the qkv and fc1 linears and of the two bias-dropout-adds through
             ``lightning_megatron.kernels.bias`` (a single-pass column sum; for fc1 with the fused tanh GeLU,
             summed inside the GeLU backward kernel). Bias-dropout-adds with dropout > 0 keep megatron-core's.
@@ -257,11 +259,12 @@ class GPTModule(MegatronLightningModule):
 
     def _fused_layer_kernels(self) -> dict[str, bool]:
         """``fused_norms``, ``fused_bias_grad`` and ``fused_residual_norm``, each ``None`` resolved: on where the
-        step is replayed as a CUDA graph (see the class docstring) with a local or sdpa spec."""
+        step is replayed as a CUDA graph or runs in pipeline stages (see the class docstring), with a local or sdpa
+        spec."""
         auto = (
             self.hparams.layer_spec in ("local", "sdpa")
             and not self.parallel.on_cpu
-            and self.megatron.replays_cuda_graphs
+            and (self.megatron.replays_cuda_graphs or self.parallel.layout.pipeline > 1)
         )
         names = ("fused_norms", "fused_bias_grad", "fused_residual_norm")
         chosen = {name: auto if self.hparams[name] is None else bool(self.hparams[name]) for name in names}

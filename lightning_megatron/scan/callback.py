@@ -218,6 +218,7 @@ class MegaScan(pl.Callback, StepListener):
             raise MegatronConfigError(
                 f"MegaScan(profile_steps={self.profile_steps}): {late} never run with max_steps={trainer.max_steps}."
             )
+        self.graph_safe = trainer.world_size == 1
         self._busy_blocked = self.gpu_busy and isinstance(trainer.profiler, PyTorchProfiler)
         if self._busy_blocked:
             warnings.warn(
@@ -441,7 +442,11 @@ class MegaScan(pl.Callback, StepListener):
         if stack and self._recorder is not None:
             self._recorder.close(stack.pop())
 
-    graph_safe = True  # inside a step it records CUDA events only: a CUDA-graph step keeps its graph
+    graph_safe = True
+    """Inside a step MegaScan records CUDA events only, so a CUDA-graph step keeps its graph. Set per fit in
+    ``setup``: only a one-process fit's replays have been checked against eager traces (``tests/
+    test_scan_graphs_gpu.py``); at TP/DP the collective spans and the detection rules were evaluated on eager
+    steps, so traced steps there run eagerly until replayed multi-GPU traces have been checked the same way."""
 
     def graph_capture(self, started: bool) -> None:
         """Open the captured step's spans whether or not it is traced: they are the template of every replay."""

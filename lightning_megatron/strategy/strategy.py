@@ -9,7 +9,8 @@ Lifecycle (Lightning's order):
 3. ``setup``: move to device, precision wrapper, megatron-core DDP, configuration hooks, optimizer.
 4. Each ``training_step`` calls ``strategy.forward_backward(batch)``: the batch (one data-parallel
    rank's share of one global batch) is split into microbatches and run through the registered
-   pipeline schedule; the optimizer step that follows is megatron-core's.
+   pipeline schedule, eagerly or replayed as a CUDA graph (``strategy.stepping``); the optimizer step
+   that follows is megatron-core's.
 
 The strategy never patches Lightning. The one private import (the script launcher) is in
 ``compat.lightning``.
@@ -35,12 +36,10 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
-from lightning_megatron.compat import megatron_p2p
 from lightning_megatron.compat.lightning import ScriptLauncher
 from lightning_megatron.compat.megatron import initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
-from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleSession
 from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO, drop_unused_callback_states
@@ -52,19 +51,14 @@ from lightning_megatron.strategy.collectives import (
     gather_tensor,
     reduce_tensor,
 )
-from lightning_megatron.strategy.graphs import (
-    StepGraph,
-    StepNotRun,
-    check_cuda_graphs,
-    resolve_cuda_graphs,
-)
-from lightning_megatron.strategy.listeners import StepListener, TimedLoader, TimersDispatcher
-from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
+from lightning_megatron.strategy.graphs import StepGraph, check_cuda_graphs, resolve_cuda_graphs
+from lightning_megatron.strategy.listeners import StepListener, TimedLoader
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
 from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout, seed_parallel_rngs
 from lightning_megatron.strategy.precision import MegatronPrecision, from_lightning_plugin
 from lightning_megatron.strategy.release import collect_previous_fits, release_training_state
-from lightning_megatron.strategy.step import StepOutput, run_forward_backward
+from lightning_megatron.strategy.step import StepOutput
+from lightning_megatron.strategy.stepping import StepRunner
 
 __all__ = ["MegatronAppStrategy"]
 
@@ -106,9 +100,10 @@ class MegatronAppStrategy(ParallelStrategy):
             autograd graph); saves memory at no cost.
         cuda_graphs: Replay the training step (forwards, backwards, gradient reduction, loss) as one CUDA graph
             captured after two eager steps (:mod:`lightning_megatron.strategy.graphs`). GPUs, PP 1, bf16/fp32,
-            fixed shapes; validation and steps MegaScan or MegaScope look into run eagerly. ``None`` (default):
-            on for one-GPU fits of modules that declare their step capturable (``GPTModule``), else off; a step
-            that cannot be captured warns once and runs eagerly. ``True``: also at TP/DP, and such a step is an error.
+            fixed shapes; validation, and steps that MegaScope or a fault injector looks into, run eagerly (MegaScan
+            traces the replays). ``None`` (default): on for fits on one node without pipeline stages (one GPU, TP,
+            DP) of modules that declare their step capturable (``GPTModule``), else off; a step that cannot be
+            captured warns once and runs eagerly. ``True``: also across nodes, and such a step is an error.
         ddp_config: Further ``megatron.core.distributed.DistributedDataParallelConfig`` fields.
         optimizer_config: Further ``megatron.core.optimizer.OptimizerConfig`` fields (loss-scaling
             knobs, CPU offload, ...). Optimizer type and hyperparameters come from
@@ -170,10 +165,8 @@ class MegatronAppStrategy(ParallelStrategy):
         self.schedule = get_schedule(schedule or ("interleaved" if virtual_pipeline_model_parallel_size else "1f1b"))
         self.schedule.validate(pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline)
         self.schedule_options = self.schedule.options(schedule_options)
-        self._session: Optional[ScheduleSession] = None  # opened on the first step, closed at teardown
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, pipeline=self.layout.pipeline)
         self._graphs = False  # whether this run replays steps as graphs: resolved in setup_environment
-        self._step_graph: Optional[StepGraph] = None  # made for a fit on GPUs, closed at teardown (counters kept)
         if process_group_backend not in (None, "nccl", "gloo"):
             raise MegatronConfigError(
                 f"`process_group_backend` must be 'nccl' (GPUs) or 'gloo' (CPUs), got {process_group_backend!r}."
@@ -195,11 +188,10 @@ class MegatronAppStrategy(ParallelStrategy):
         self._seed = seed
         self._process_group_backend = process_group_backend
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._steps = StepRunner(self.schedule, self.schedule_options, micro_batch_size, self.layout, self._timeout)
         self.num_nodes = 1
         self._parallel: Optional[ParallelContext] = None
         self._chunks: list[torch.nn.Module] = []  # model chunks as the schedule sees them (wrapped)
-        self._step_listeners: list[StepListener] = []
-        self._p2p_messages: Optional[Any] = None  # reports megatron-core's pipeline messages while listeners exist
 
     # -- Lightning plumbing -------------------------------------------------------------------------
     @classmethod
@@ -246,7 +238,7 @@ class MegatronAppStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         # The fetch of every batch is timed for step listeners (MegaScan's data time), not the gap between steps.
-        return dataloader if isinstance(dataloader, TimedLoader) else TimedLoader(dataloader, self._step_listeners)
+        return dataloader if isinstance(dataloader, TimedLoader) else TimedLoader(dataloader, self._steps.listeners)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -265,14 +257,15 @@ class MegatronAppStrategy(ParallelStrategy):
 
     @property
     def replays_cuda_graphs(self) -> bool:
-        """``cuda_graphs`` as resolved when the processes start (with ``None`` a step graph may still give up)."""
+        """``cuda_graphs`` as resolved when the processes start (with ``None`` a step graph may still give up);
+        False in ``validate``/``test``/``predict`` runs, which have no training step."""
         return self._graphs
 
     @property
     def step_graph(self) -> Optional[StepGraph]:
         """This fit's step graph when steps are replayed as CUDA graphs (its ``captures``, ``replays`` and
         ``gave_up_because``); else None."""
-        return self._step_graph
+        return self._steps.graph
 
     @property
     def wrapped_chunks(self) -> list[torch.nn.Module]:
@@ -307,8 +300,11 @@ class MegatronAppStrategy(ParallelStrategy):
             self.cuda_graphs,
             module=self.lightning_module,
             on_cpu=on_cpu,
-            world_size=self.world_size,
             params_dtype=self.precision_plugin.params_dtype,
+            fitting=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
+            pipeline=self.layout.pipeline,
+            num_nodes=self.num_nodes,
+            unchecked=self._settings_not_run_graphed() if self.world_size > 1 else (),
         )
         self._init_process_group(backend, on_cpu)
         self._init_parallel_state()
@@ -316,6 +312,17 @@ class MegatronAppStrategy(ParallelStrategy):
         seed_parallel_rngs(base_seed, graph_safe=self._graphs)
         self._parallel = ParallelContext(self.layout, self.precision_plugin.params_dtype, on_cpu=on_cpu)
         assert self._parallel.data_parallel_size == data_parallel
+
+    def _settings_not_run_graphed(self) -> tuple[str, ...]:
+        """Settings on in this run that no multi-process graph parity test has run with (tests/test_graphs_gpu.py):
+        megatron-core's parameter all-gather waits inside the forward on work started in the optimizer step, and
+        the overlapped and split linears issue their own collectives and GEMMs. Automatic graphs stay off with them."""
+        named = {
+            "overlap_param_gather": self._ddp_kwargs.get("overlap_param_gather", False),
+            "tp_comm_overlap": self.tp_comm_overlap is not None,
+            "gradient_accumulation_fusion": self.gradient_accumulation_fusion,
+        }
+        return tuple(name for name, on in named.items() if on)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -371,8 +378,8 @@ class MegatronAppStrategy(ParallelStrategy):
         wrapped_before = [unwrap(c) for c in self._chunks]
         needs_ddp = fitting and not all(isinstance(c, DistributedDataParallel) for c in self._chunks)
         if fitting and self._graphs:
-            self._step_graph = self._step_graph or StepGraph(strict=self.cuda_graphs is True)
-            self._step_graph.open()  # before the DDP wrapper: see StepGraph.open
+            self._steps.graph = self._steps.graph or StepGraph(strict=self.cuda_graphs is True)
+            self._steps.graph.open()  # before the DDP wrapper: see StepGraph.open
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
             self._chunks = wrap_ddp(wrapped, self._ddp_kwargs) if fitting else wrapped
@@ -403,7 +410,7 @@ class MegatronAppStrategy(ParallelStrategy):
             deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
             overlap_grad_reduce=self._ddp_kwargs["overlap_grad_reduce"],
         )
-        self._sync_timers()
+        self._steps.follow(self._chunks)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -432,20 +439,10 @@ class MegatronAppStrategy(ParallelStrategy):
     # -- observers of the step (tracing, fault injection) -----------------------------------------------
     def add_step_listener(self, listener: StepListener) -> None:
         """Tell ``listener`` about every step's spans (see ``strategy.listeners``); used by MegaScan."""
-        if listener not in self._step_listeners:
-            self._step_listeners.append(listener)
-            self._sync_timers()
+        self._steps.add_listener(listener, self._chunks)
 
     def remove_step_listener(self, listener: StepListener) -> None:
-        if listener in self._step_listeners:
-            self._step_listeners.remove(listener)
-            self._sync_timers()
-
-    def _sync_timers(self) -> None:
-        # megatron-core calls timers only when config.timers is set: no listener, no cost. (+ what its p2p moves)
-        self._p2p_messages = megatron_p2p.follow(self._step_listeners, self._p2p_messages)
-        for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
-            config.timers = TimersDispatcher(self._step_listeners) if self._step_listeners else None
+        self._steps.remove_listener(listener, self._chunks)
 
     # -- one step -----------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, *, forward_only: bool = False) -> StepOutput:
@@ -454,42 +451,14 @@ class MegatronAppStrategy(ParallelStrategy):
         With ``forward_only=False`` this computes the gradients of the step (after clearing the previous
         ones); the optimizer update follows in Lightning's optimizer step.
         """
-        module = self.lightning_module
-        microbatches = split_microbatches(batch, self.micro_batch_size)
-        self.schedule.validate_microbatches(
-            len(microbatches), pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline
+        return self._steps.run(
+            self.lightning_module,
+            self._chunks,
+            batch,
+            self.root_device,
+            forward_only=forward_only,
+            clear_grads=self._clear_grads,
         )
-        seq_of = getattr(module, "microbatch_seq_length", infer_seq_length)
-        if not forward_only:
-            self._clear_grads()
-        if self._session is None:
-            timeout = self._timeout.total_seconds()
-            self._session = self.schedule.open(ScheduleContext(self.schedule_options, self.root_device, timeout))
-        session = self._session
-
-        def step(microbatches: list[Any]) -> StepOutput:
-            return run_forward_backward(
-                schedule=session,
-                chunks=self._chunks,
-                forward_step=module.forward_step,
-                microbatches=microbatches,
-                seq_length=seq_of(microbatches[0]),
-                micro_batch_size=self.micro_batch_size,
-                forward_only=forward_only,
-                device=self.root_device,
-                listeners=tuple(self._step_listeners),
-            )
-
-        graph = None if forward_only else self._step_graph
-        watching = tuple(self._step_listeners)
-        if graph is not None and not all(getattr(listener, "graph_safe", False) for listener in watching):
-            graph.note_eager_step("a step listener (MegaScope, a fault injector) looks into this step")
-        elif graph is not None:  # MegaScan's events are graph-safe: it traces the replays
-            try:
-                return graph(step, microbatches, watching, key=tuple(map(id, watching)))
-            except StepNotRun:  # automatic graphs gave up during the capture (warned): run this step eagerly
-                self._clear_grads()
-        return step(microbatches)
 
     def _clear_grads(self) -> None:
         for chunk in self._chunks:
@@ -579,12 +548,7 @@ class MegatronAppStrategy(ParallelStrategy):
             optimizer.load_sharded_state_dict(checkpoint["optimizer_states"][0])
 
     def teardown(self) -> None:
-        if self._step_graph is not None:
-            self._step_graph.close()  # frees the graph's memory pool; the counters stay for a look after the fit
-        if self._session is not None:
-            self._session.close()
-            self._session = None
-        self._p2p_messages = megatron_p2p.follow(self._step_listeners, self._p2p_messages, active=False)
+        self._steps.close()
         if self._fused_linears is not None:
             self._fused_linears.restore()
             self._fused_linears = None
