@@ -6,6 +6,7 @@
     python benchmarks/transport.py --transports ucx ucx-cma ucx-tcp shm tcp --max-size 64MiB --repeats 5 \
         --out benchmarks/results/transport_cpu_ucx.json   # ucx (the ucx extra) beside shm and tcp
     python benchmarks/transport.py --gpu               # 2 GPUs: shm (and ucx) GPU-to-GPU vs NCCL send/recv vs torch over NCCL
+    python benchmarks/transport.py --one-gpu --transports shm ucx ucx-short-spin   # both processes on GPU 0 (no NCCL)
     python benchmarks/transport.py --replot benchmarks/results/transport_cpu.json   # redraw the plot only
 
 Per transport and message size (4 KiB ... 256 MiB, powers of 4):
@@ -22,7 +23,13 @@ multi-threaded copy is recorded too), the target being ``shm`` at >= 70% of it f
 into preallocated buffers), the target being ``shm`` at >= 80% of it from 16 MiB up.
 
 ``ucx`` is measured with UCX's own choice of fabric (recorded under ``details``: UCX's version and lanes),
-``ucx-tcp`` with ``UCX_TLS=tcp`` and ``ucx-cma`` with CMA's zero-copy rendezvous (``UCX_CMA_MEMORY_INVALIDATE=y``).
+``ucx-tcp`` with ``UCX_TLS=tcp``, ``ucx-cma`` with CMA's zero-copy rendezvous (``UCX_CMA_MEMORY_INVALIDATE=y``),
+and ``ucx-short-spin`` with the progress thread polling 20 µs after its last event, the CPU default, also on a
+GPU (where the default is 2 ms: ``lightning_megatron.transport.ucx.SPIN_SECONDS``).
+
+``--one-gpu`` puts both processes on GPU 0 (CUDA IPC within one device; gloo only, so no NCCL channel): a GPU
+transport's per-message costs, measured where two GPUs are not to be had. Its copies run at one device's memory
+bandwidth, not over NVLink, so compare transports within such a run, never with a ``--gpu`` one.
 
 ``torch`` over gloo is the baseline "torch.distributed gloo" (the transport's headers and receive thread
 included). Received tensors are fresh allocations on every transport (the receiver owns them), which costs
@@ -64,10 +71,12 @@ LABELS = {
     "ucx": "ucx transport (UCX's own choice of fabric)",
     "ucx-tcp": "ucx transport, UCX_TLS=tcp (loopback)",
     "ucx-cma": "ucx transport, UCX_CMA_MEMORY_INVALIDATE=y (CMA rendezvous)",
+    "ucx-short-spin": "ucx transport, progress thread polls 20 µs after its last event",
 }
 VARIANTS = {
     "ucx-tcp": ("ucx", {"ucx_config": {"TLS": "tcp"}}),
     "ucx-cma": ("ucx", {"ucx_config": {"CMA_MEMORY_INVALIDATE": "y"}}),  # zero-copy CMA rendezvous on one host
+    "ucx-short-spin": ("ucx", {"spin_seconds": 20e-6}),
 }
 """Channels that are a transport with settings: name -> (transport, create_transport arguments)."""
 ACK_TAG = 1 << 40
@@ -115,7 +124,7 @@ class TransportChannel:
         self.transport = create_transport(name, device=device, timeout=TIMEOUT, **kwargs)
         self.transport.connect([self.peer])
         self.details: dict[str, Any] = {}
-        if name == "ucx":  # what UCX chose, for the record
+        if name == "ucx" or name in VARIANTS:  # what UCX chose, for the record
             self.details = {
                 "ucx_version": self.transport.ucx_version,
                 "lanes": self.transport.transports_to(self.peer),
@@ -228,17 +237,22 @@ def measure(channel: Any, rank: int, size: int, device: str, quick: bool, repeat
     }
 
 
-def worker(rank: int, port: int, name: str, sizes: list[int], quick: bool, repeats: int, gpu: bool, out: Any) -> None:
+def worker(rank: int, port: int, name: str, sizes: list[int], quick: bool, repeats: int, gpus: int, out: Any) -> None:
+    """Rank ``rank`` of one pair: on CPU (``gpus=0``), both on GPU 0 (1), or on GPU ``rank`` (2)."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
         import torch
         import torch.distributed as dist
 
         device = "cpu"
-        if gpu:
+        if gpus == 2:
             torch.cuda.set_device(rank)
             device = f"cuda:{rank}"
             dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device(device))
+        elif gpus == 1:  # NCCL refuses two ranks on one device
+            torch.cuda.set_device(0)
+            device = "cuda:0"
+            dist.init_process_group("gloo")
         else:
             dist.init_process_group("gloo")
         channel = (NcclChannel if name == "nccl" else TransportChannel)(name, rank, device)
@@ -266,12 +280,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(name: str, sizes: list[int], quick: bool, repeats: int, gpu: bool, timeout: float) -> dict[str, Any]:
+def run_pair(name: str, sizes: list[int], quick: bool, repeats: int, gpus: int, timeout: float) -> dict[str, Any]:
     """Both ranks in fresh processes (spawned for GPUs: CUDA does not survive fork)."""
-    ctx = mp.get_context("spawn" if gpu else "fork")
+    ctx = mp.get_context("spawn" if gpus else "fork")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, name, sizes, quick, repeats, gpu, out)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, port, name, sizes, quick, repeats, gpus, out)) for r in range(2)]
     for p in procs:
         p.start()
     results: dict[int, tuple[bool, Any]] = {}
@@ -406,6 +420,7 @@ def ucx_moves_cuda() -> bool:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="2 GPUs of this host: shm and torch-nccl vs NCCL")
+    parser.add_argument("--one-gpu", action="store_true", help="both processes on GPU 0 (no NCCL): see above")
     parser.add_argument("--quick", action="store_true", help="a few sizes, one repeat: a smoke run")
     parser.add_argument(
         "--transports", nargs="+", help="default: CPU torch shm tcp (ucx); GPU nccl torch-nccl shm (ucx)"
@@ -430,8 +445,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     cpu_names = ["torch", "shm", "tcp"] + (["ucx"] if "ucx" in available_transports() else [])
     gpu_names = ["nccl", "torch-nccl", "shm"] + (["ucx"] if "ucx" in cpu_names and ucx_moves_cuda() else [])
-    names = args.transports or (gpu_names if args.gpu else cpu_names)
-    out = args.out or ROOT / "benchmarks" / "results" / f"transport_{'gpu' if args.gpu else 'cpu'}.json"
+    if args.gpu and args.one_gpu:
+        parser.error("--gpu (one GPU per process) and --one-gpu (both on GPU 0): choose one")
+    gpus = 2 if args.gpu else 1 if args.one_gpu else 0
+    if args.one_gpu:
+        gpu_names = [n for n in gpu_names if n not in ("nccl", "torch-nccl")]
+        refused = [n for n in args.transports or () if n in ("nccl", "torch-nccl")]
+        if refused:
+            parser.error(f"--one-gpu: {refused} need NCCL, which refuses two ranks on one GPU; use --gpu on 2 GPUs")
+    names = args.transports or (gpu_names if gpus else cpu_names)
+    mode = {0: "cpu", 1: "one-gpu", 2: "gpu"}[gpus]
+    out = args.out or ROOT / "benchmarks" / "results" / f"transport_{mode.replace('-', '_')}.json"
     started = time.perf_counter()
 
     import torch
@@ -439,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(f"sizes {[human(s) for s in sizes]}, {repeats} repeat(s), torch threads {torch.get_num_threads()}")
     report: dict[str, Any] = {
         "benchmark": "transport",
-        "mode": "gpu" if args.gpu else "cpu",
+        "mode": mode,
         "provenance": provenance(),
         "units": {"bandwidth": "GB/s (1e9 bytes of payload per second)", "latency": "microseconds, half round trip"},
         "settings": {
@@ -463,7 +487,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             transports[name] = {"label": LABELS.get(name, name), "error": why}
             print(f"  {name:>10}: not measured ({why})")
             continue
-        transports[name] = run_pair(name, sizes, args.quick, repeats, args.gpu, args.timeout)
+        transports[name] = run_pair(name, sizes, args.quick, repeats, gpus, args.timeout)
         if "error" in transports[name]:
             print(f"  {name:>10}: failed ({transports[name]['error']})")
         out.write_text(json.dumps(report, indent=2) + "\n")  # what is measured so far survives a later failure
@@ -472,6 +496,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if args.gpu:
         reference = transports.get("nccl", {}).get("results")
         reference_label = LABELS["nccl"]
+    elif args.one_gpu:
+        reference, reference_label = None, ""  # transports compared with each other only
     else:
         # One copying thread: the reference that does not depend on how busy the other cores are (torch's
         # multi-threaded copy waits for its slowest thread, a scheduler tick on a loaded machine).
@@ -488,6 +514,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     report["targets"] = (
         {"shm >= 80% of NCCL at >= 16 MiB": target(transports, "shm", reference or [], 0.8)}
         if args.gpu
+        else {}
+        if args.one_gpu
         else {
             "shm >= 70% of memcpy (1 thread) at >= 16 MiB": target(transports, "shm", reference or [], 0.7),
             "shm >= 70% of memcpy (all threads) at >= 16 MiB": target(

@@ -80,6 +80,21 @@ __all__ = ["EXTRA", "UcxTransport", "load_ucx", "ucx_cuda_modules"]
 
 EXTRA = "pip install 'lightning-megatron[ucx]'"
 
+SPIN_SECONDS = {"cpu": 20e-6, "cuda": 2e-3}
+"""How long the progress thread polls after its last event before it sleeps on UCX's event fd, by device.
+
+With a CUDA device a message's steps (the rendezvous, the copy on UCX's stream, its completion, the ack) follow
+each other by tens to hundreds of microseconds; a thread that slept in between waited for a wake-up at each one.
+Polling 2 ms instead of 20 µs, measured with ``benchmarks/transport.py``, two launches each:
+
+* one H100, both processes on it (``--one-gpu``, ``transport_one_gpu_ucx_h100.json``): the 1 MiB latency (half a
+  round trip) from 517-535 to 328-342 µs, the 256 MiB stream from 380-410 to 570-626 GB/s;
+* 2 H200s (``--gpu``, ``transport_gpu_ucx_spin_2xh200.json``): 16 MiB from 89-118 to 160-166 GB/s, 64 MiB from
+  82-147 to 270-276 GB/s (NCCL: 291 and 327).
+
+The price is a core polling for 2 ms after each message, which GPU hosts have and the CPU-only machines this also
+runs on do not: host-only transports keep 20 µs."""
+
 UCX_DEFAULTS = {
     # Peer error handling (needed to raise PeerLost instead of hanging) makes UCX drop shared memory unless the
     # transport says it supports it, and POSIX shared memory does when asked: its segments are files that stay
@@ -171,8 +186,8 @@ class UcxTransport(NativeTransport):
     ``ucx_config``: UCX settings for this transport's context, as ``{"TLS": "tcp"}`` or ``{"UCX_TLS": "tcp"}``
     (an environment variable of the same name wins). ``keepalive_interval``: seconds between UCX's liveness
     checks of each peer (how soon a killed peer is noticed where no transport reports it). ``spin_seconds``: how
-    long the progress thread polls after an event before sleeping. ``close_timeout``: how long ``close`` waits
-    for its goodbyes to be flushed.
+    long the progress thread polls after an event before sleeping; unset, ``SPIN_SECONDS`` for the device (see
+    there). ``close_timeout``: how long ``close`` waits for its goodbyes to be flushed.
 
     With a CUDA ``device`` (see the module docstring): received tensors land on that device; CUDA tensors on it
     are sent from GPU memory through UCX once their producers have finished.
@@ -186,7 +201,7 @@ class UcxTransport(NativeTransport):
         *,
         ucx_config: Optional[Mapping[str, str]] = None,
         keepalive_interval: float = 1.0,
-        spin_seconds: float = 20e-6,
+        spin_seconds: Optional[float] = None,
         close_timeout: float = 5.0,
         **kwargs: Any,
     ) -> None:
@@ -204,6 +219,8 @@ class UcxTransport(NativeTransport):
         self.cuda_direct = False
         """Whether CUDA tensors on ``device`` are sent from GPU memory (else staged through the host)."""
         super().__init__(**kwargs)
+        if spin_seconds is None:
+            spin_seconds = SPIN_SECONDS[self.device.type]
         if keepalive_interval <= 0 or spin_seconds < 0 or close_timeout <= 0:
             raise MegatronConfigError(
                 f"transport 'ucx': keepalive_interval={keepalive_interval} and close_timeout={close_timeout} must be "
