@@ -58,7 +58,7 @@ def traced_fit(
         "report": json.loads(scan.report.to_json()) if scan.report is not None else None,
         "restored": dist.all_reduce is original_all_reduce,
         "file_closed": scan._file is None,
-        "graph_safe": scan.graph_safe,
+        "traces_replays": scan.traces_replays,
     }
 
 
@@ -72,7 +72,7 @@ def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path)
     for a, b in zip(plain, traced):
         assert a["loss"] == b["loss"]  # tracing observes; it never changes the numbers
         assert b["restored"] and b["file_closed"]
-        assert b["graph_safe"] is False  # replayed multi-GPU traces are not checked yet: traced steps run eagerly
+        assert b["traces_replays"] is False  # replayed multi-GPU traces are not checked yet: traced steps run eagerly
     files = list_rank_files(tmp_path / "scan")
     assert sorted(files) == [0, 1, 2, 3]
     assert files[3].name == "rank00003-dp0-pp1-tp1.json.gz"

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -317,3 +320,51 @@ def test_lightning_pytorch_profiler_during_the_capture(tmp_path: Path) -> None:
     assert exported, "Lightning's profiler wrote no trace"
     steps = _steps(tmp_path / "trace")
     _assert_replays_hold(steps, steps[1])
+
+
+_TWO_GPU_FIT = r"""
+import json, sys, tempfile
+sys.path.insert(0, "tests")
+from cases import fit_gpt
+from lightning_megatron.scan import MegaScan
+
+traced = sys.argv[1] == "traced"
+scan = [MegaScan(tempfile.mkdtemp(), interval=2, window=1, detect=False)] if traced else []
+
+def probe(module):
+    graph = module.trainer.strategy.step_graph
+    return None if graph is None else [graph.captures, graph.replays, graph.eager_steps_by_caller]
+
+model = dict(vocab_size=1024, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=4)
+out = fit_gpt(2, steps=10, precision="bf16-mixed", accelerator="gpu", model=model, probe=probe, callbacks=scan,
+              data={"vocab_size": 1024, "seq_length": 128, "global_batch_size": 8})
+print("RESULT", json.dumps({"loss": out["loss"], "graph": out["probe"]}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_traced_steps_run_eagerly_between_replays(tmp_path: Path) -> None:
+    """DP2, graphs by default: MegaScan traces replays only in one-process fits, so here its traced steps (1, 3, 5,
+    7, 9) run eagerly and the untraced ones are warm-up steps, the capture and replays (0, 2, 4, 6, 8); the fit
+    trains as the untraced one (same kernels: the fused ones chosen with the graph, eager or replayed)."""
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "traced_fit.py"  # a file: Lightning starts rank 1 by running sys.argv again
+        script.write_text(_TWO_GPU_FIT)
+        for name in ("traced", "untraced"):
+            done = subprocess.run(
+                [sys.executable, str(script), name],
+                cwd=Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            assert done.returncode == 0 and lines, done.stderr[-4000:]
+            results[name] = json.loads(lines[-1][len("RESULT ") :])
+    traced, untraced = results["traced"], results["untraced"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(traced["loss"], untraced["loss"]))
+    record("megascan_graphs_gpu.json", tmp_path, "two_gpu_dp2", {**results, "max_rel_loss_diff": worst})
+    assert untraced["graph"] == [1, 8, 0], untraced["graph"]
+    assert traced["graph"] == [1, 3, 5], traced["graph"]  # captured at step 4, replayed at 4, 6, 8
+    assert worst <= 1e-4, results

@@ -158,6 +158,11 @@ class MegaScan(pl.Callback, StepListener):
         self._context: dict[str, Any] = {}
         self._open: dict[str, list[Span]] = {}
         self._open_outside: dict[str, list[Span]] = {}  # the window's open spans while a capture runs
+        self.traces_replays = True
+        """Whether steps replayed as CUDA graphs are traced (set in ``setup``): in one-process fits, whose replayed
+        traces were checked against eager ones (``tests/test_scan_graphs_gpu.py``). At TP/DP the collective spans
+        and the detection rules were evaluated on eager steps, so there the traced steps run eagerly, until
+        replayed multi-GPU traces have been checked the same way."""
         self._p2p_seq: dict[tuple[int, str, str], int] = {}
         self._step_span: Optional[Span] = None
         self._optimizer_span: Optional[Span] = None
@@ -218,7 +223,7 @@ class MegaScan(pl.Callback, StepListener):
             raise MegatronConfigError(
                 f"MegaScan(profile_steps={self.profile_steps}): {late} never run with max_steps={trainer.max_steps}."
             )
-        self.graph_safe = trainer.world_size == 1
+        self.traces_replays = trainer.world_size == 1
         self._busy_blocked = self.gpu_busy and isinstance(trainer.profiler, PyTorchProfiler)
         if self._busy_blocked:
             warnings.warn(
@@ -442,16 +447,17 @@ class MegaScan(pl.Callback, StepListener):
         if stack and self._recorder is not None:
             self._recorder.close(stack.pop())
 
-    graph_safe = True
-    """Inside a step MegaScan records CUDA events only, so a CUDA-graph step keeps its graph. Set per fit in
-    ``setup``: only a one-process fit's replays have been checked against eager traces (``tests/
-    test_scan_graphs_gpu.py``); at TP/DP the collective spans and the detection rules were evaluated on eager
-    steps, so traced steps there run eagerly until replayed multi-GPU traces have been checked the same way."""
+    @property
+    def graph_safe(self) -> bool:
+        """Inside a step MegaScan records CUDA events only, so a CUDA-graph step keeps its graph and MegaScan traces
+        the replays (``traces_replays``). Where it does not, only the traced steps run eagerly; the others stay
+        replays (nothing is recorded in them)."""
+        return self.traces_replays or self._recorder is None or not self._recorder.active
 
     def graph_capture(self, started: bool) -> None:
         """Open the captured step's spans whether or not it is traced: they are the template of every replay."""
         recorder, collectives = self._recorder, self._collectives
-        if recorder is None or collectives is None:
+        if recorder is None or collectives is None or not self.traces_replays:
             return
         if started:
             self._open_outside, self._open = self._open, {}
@@ -464,7 +470,7 @@ class MegaScan(pl.Callback, StepListener):
             self._open = self._open_outside
 
     def graph_replay(self, started: bool) -> None:
-        if self._recorder is None:
+        if self._recorder is None or not self.traces_replays:
             return
         if started:
             self._recorder.before_replay()
