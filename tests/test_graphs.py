@@ -45,12 +45,18 @@ def test_cuda_graphs_on_cpu_fail_before_any_process_group() -> None:
     assert not torch.distributed.is_initialized()
 
 
-def test_cuda_graphs_unset_stay_off_on_cpu_and_pipeline_layouts_are_accepted() -> None:
+def _one_step_fit() -> dict[str, Any]:
+    """Inside a rank (a fit holds a process group, which the pytest process must not: it forks the ranks)."""
+    out = cases.fit_gpt(1, steps=1, probe=lambda module: module.trainer.strategy.step_graph is None)
+    return {"no_graph": out["probe"], "steps": len(out["loss"])}
+
+
+def test_cuda_graphs_unset_stay_off_on_cpu_and_pipeline_layouts_are_accepted(ranks: Any) -> None:
     """The default is automatic: a CPU fit (every CPU test) and a pipeline layout build and run without graphs."""
     assert MegatronAppStrategy().cuda_graphs is None
     assert MegatronAppStrategy(pipeline_model_parallel_size=2).cuda_graphs is None
-    out = cases.fit_gpt(1, steps=1, probe=lambda module: module.trainer.strategy.step_graph)
-    assert out["probe"] is None and len(out["loss"]) == 1
+    (out,) = ranks.run(1, _one_step_fit)
+    assert out == {"no_graph": True, "steps": 1}
 
 
 class _OwnStep(GPTModule):
