@@ -113,8 +113,11 @@ class StepRunner:
 
         graph = None if forward_only else self.graph
         if graph is not None and not all(getattr(listener, "graph_safe", False) for listener in watching):
-            graph.note_eager_step("a step listener (MegaScope, a fault injector) looks into this step")
-        elif graph is not None:  # MegaScan's events are graph-safe: it traces the replays
+            graph.note_eager_step(
+                "a step listener that is not graph-safe (MegaScope, a fault injector, MegaScan's traced steps at "
+                "TP/DP) looks into this step"
+            )
+        elif graph is not None:  # e.g. MegaScan in a one-process fit: its events are graph nodes, it traces replays
             try:
                 return graph(step, microbatches, watching, key=tuple(map(id, watching)))
             except StepNotRun:  # automatic graphs gave up during the capture (warned): run this step eagerly
