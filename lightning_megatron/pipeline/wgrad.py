@@ -10,14 +10,10 @@ output layer included) an autograd function of ours, per instance and undone by 
 
 * its forward is megatron-core's (the sequence-parallel all-gather, the matmul, the bias);
 * its backward computes the input gradient with megatron-core's tensor-parallel all-reduce or reduce-scatter and
-  the bias gradient, and, while :func:`collecting` a list, appends a :class:`WeightGrad` (the layer's input and
-  output gradient) to it instead of computing the weight gradient; outside :func:`collecting` it computes the
-  weight gradient at once, as megatron-core does;
-* :meth:`WeightGrad.run` later computes the same GEMM megatron-core would have (``grad_output.t() @ input`` on the
-  2-D views) and adds it to the weight's ``main_grad`` exactly as megatron-core's DDP hook adds ``param.grad``.
-  In fp32 the result equals the unsplit backward's when each layer's W runs in microbatch order. On GPUs with
-  bf16/fp16 activations the GEMM accumulates straight into the fp32 ``main_grad`` (:func:`accumulate_weight_grad`:
-  no half-precision temporary, no separate add), which megatron-core can only do with apex.
+  the bias gradient, and hands the weight gradient to :func:`.wgrad_accumulate.weight_grad`: computed at once,
+  as megatron-core does, or, while a schedule is ``collecting``, stashed as a ``WeightGrad`` (the layer's input
+  and output gradient) for W. In fp32 the result equals the unsplit backward's when each layer's W runs in
+  microbatch order; on GPUs with bf16/fp16 activations the GEMM accumulates straight into the fp32 ``main_grad``.
 
 megatron-core's DDP hook on the weight still runs at B time (autograd calls a parameter's accumulate-grad hooks
 even without a gradient), and with ``overlap_grad_reduce`` it insists on a gradient: B hands it an uninitialised
@@ -28,132 +24,27 @@ itself (``start_grad_sync``) after the chunk's last W, so nothing is reduced bef
 With sequence parallelism B all-gathers the layer input for W (W then needs no collective, so tensor-parallel
 ranks may run their W tasks at different moments).
 
-:func:`weight_grad` is the one place a backward hands over its weight gradient (this module's and the overlapped
-layers' of :mod:`.tp_overlap`, which ``split_linears(..., overlap=...)`` installs instead). With
-``accumulate=False`` (``tp_comm_overlap`` without ``gradient_accumulation_fusion``) a gradient computed inside the
-backward goes back through autograd as megatron-core's does, so the overlap alone does not change the accumulation.
+With ``overlap`` (``tp_comm_overlap``) :func:`split_linears` installs the overlapped layers of :mod:`.tp_overlap`
+instead, which hand their weight gradients over the same way. With ``accumulate=False`` (``tp_comm_overlap``
+without ``gradient_accumulation_fusion``) a gradient computed inside the backward goes back through autograd as
+megatron-core's does, so the overlap alone does not change the accumulation.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-__all__ = [
-    "SplitLinears",
-    "WeightGrad",
-    "accumulate_weight_grad",
-    "collecting",
-    "fused_accumulation_status",
-    "split_linears",
-    "weight_grad",
-]
+from lightning_megatron.pipeline.tp_overlap import column_linear, row_forward
+from lightning_megatron.pipeline.wgrad_accumulate import weight_grad
 
-_STASH: Optional[list[WeightGrad]] = None  # where backwards put their weight gradients (None: compute them)
-# A module global, not thread-local: autograd runs CUDA backwards on its own device threads.
-
-
-@dataclass
-class WeightGrad:
-    """One linear layer's weight gradient of one microbatch, not computed yet."""
-
-    weight: torch.nn.Parameter
-    grad_output: torch.Tensor
-    total_input: torch.Tensor
-
-    def run(self) -> None:
-        with torch.no_grad():  # outside autograd's backward now: build no graph
-            grad_output, total_input = prepare_input_tensors_for_wgrad_compute(self.grad_output, self.total_input)
-            accumulate_weight_grad(self.weight, grad_output, total_input)
-        self.grad_output = self.total_input = None  # type: ignore[assignment]  # free them now
-
-
-def accumulate_weight_grad(weight: torch.nn.Parameter, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
-    """Add ``grad_output.t() @ total_input`` (2-D views) to the weight's gradient.
-
-    Under megatron-core DDP with bf16/fp16 activations and an fp32 ``main_grad`` on a GPU, one GEMM accumulates
-    straight into ``main_grad`` (``addmm`` with ``out_dtype``: fp32 accumulation and output, what apex's
-    ``gradient_accumulation_fusion`` kernel does), with no half-precision temporary and no separate add. Everywhere
-    else (CPU, fp32 training, a torch without the fused GEMM) it is megatron-core's own arithmetic: the GEMM in the
-    activations' dtype, then ``main_grad.add_``; in fp32 that is bit-for-bit the unsplit backward.
-    """
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None and _fused_gemm_applies(grad_output, main_grad):
-        try:
-            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
-            return
-        except (RuntimeError, TypeError, NotImplementedError) as error:  # this torch or device lacks it
-            _FUSED_GEMM["available"] = False
-            _FUSED_GEMM["why"] = f"{type(error).__name__}: {error}".splitlines()[0]
-    grad_weight = grad_output.t().matmul(total_input)
-    if main_grad is not None:  # megatron-core DDP: what its backward hook does with param.grad
-        main_grad.add_(grad_weight)
-    elif weight.grad is None:
-        weight.grad = grad_weight
-    else:
-        weight.grad += grad_weight
-
-
-_FUSED_GEMM: dict[str, Any] = {"available": True, "why": None}  # cleared after the first failure, with the reason
-
-
-def fused_accumulation_status() -> dict[str, Any]:
-    """Whether weight-gradient GEMMs accumulate into ``main_grad`` in one fused GEMM (``why``: if not, the error)."""
-    return dict(_FUSED_GEMM)
-
-
-def _fused_gemm_applies(grad_output: torch.Tensor, main_grad: torch.Tensor) -> bool:
-    return (
-        _FUSED_GEMM["available"]
-        and grad_output.is_cuda
-        and grad_output.dtype in (torch.bfloat16, torch.float16)
-        and main_grad.dtype == torch.float32
-        and main_grad.is_contiguous()
-    )
-
-
-def weight_grad(
-    weight: torch.nn.Parameter, grad_output: torch.Tensor, total_input: torch.Tensor, accumulate: bool = True
-) -> Any:
-    """A backward's weight gradient: computed now, or deferred into the :func:`collecting` stash.
-
-    Returns what the backward hands autograd for the weight: ``None``, or under megatron-core DDP the placeholder
-    its hook drops (see the module docstring). With ``accumulate=False`` and no stash, the gradient itself, as
-    megatron-core's backward returns it (its DDP hook adds it to ``main_grad``: no fused accumulation), unless this
-    step already added one straight to ``main_grad`` (``grad_added_to_main_grad``: the hook would drop this one).
-    """
-    if not accumulate and _STASH is None and not getattr(weight, "grad_added_to_main_grad", False):
-        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
-        return grad_output.t().matmul(total_input)
-    deferred = WeightGrad(weight, grad_output.detach(), total_input.detach())
-    if _STASH is None:
-        deferred.run()
-    else:
-        _STASH.append(deferred)
-    if not hasattr(weight, "main_grad"):
-        return None
-    weight.grad_added_to_main_grad = True
-    return torch.empty_like(weight)
-
-
-@contextlib.contextmanager
-def collecting(stash: list[WeightGrad]) -> Iterator[list[WeightGrad]]:
-    """Backwards run inside defer their weight gradients into ``stash`` (in the order the layers ran)."""
-    global _STASH
-    previous, _STASH = _STASH, stash
-    try:
-        yield stash
-    finally:
-        _STASH = previous
+__all__ = ["SplitLinears", "split_linears"]
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -242,8 +133,6 @@ def _split_forward_impl(
             tp_group=tp_group,
         )
     if overlap is not None and isinstance(self, ColumnParallelLinear):
-        from lightning_megatron.pipeline.tp_overlap import column_linear  # (it builds on this module)
-
         return column_linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, overlap, accumulate)
     return _SplitLinear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, accumulate)
 
@@ -265,14 +154,11 @@ def split_linears(chunks: Sequence[torch.nn.Module], overlap: Any = None, accumu
     """Give every tensor-parallel linear layer of ``chunks`` (DDP-wrapped or not) the B/W-split backward.
 
     With ``overlap`` (a :class:`~lightning_megatron.pipeline.tp_overlap.TPCommOverlap`) their tensor-parallel
-    communication is also overlapped with their GEMMs. ``accumulate=False``: outside a :func:`collecting` stash
+    communication is also overlapped with their GEMMs. ``accumulate=False``: outside a :func:`~.wgrad_accumulate.collecting` stash
     the weight gradient goes back through autograd as in megatron-core (no fused ``main_grad`` accumulation; for
     ``tp_comm_overlap`` without ``gradient_accumulation_fusion``). A layer already changed (by an earlier call) is
     left as it is.
     """
-    row_forward = None
-    if overlap is not None:
-        from lightning_megatron.pipeline.tp_overlap import row_forward  # (it builds on this module)
     modules = []
     for chunk in chunks:
         for module in chunk.modules():
@@ -282,7 +168,7 @@ def split_linears(chunks: Sequence[torch.nn.Module], overlap: Any = None, accumu
                 module._forward_impl = types.MethodType(
                     functools.partial(_split_forward_impl, overlap=overlap, accumulate=accumulate), module
                 )
-                if row_forward is not None and isinstance(module, RowParallelLinear):
+                if overlap is not None and isinstance(module, RowParallelLinear):
                     module.forward = types.MethodType(
                         functools.partial(row_forward, overlap=overlap, accumulate=accumulate), module
                     )

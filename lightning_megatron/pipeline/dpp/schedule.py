@@ -77,7 +77,8 @@ from lightning_megatron.pipeline.dpp.policy import Policy, StageState, make_poli
 from lightning_megatron.pipeline.gradsync import GradSync
 from lightning_megatron.pipeline.registry import ScheduleContext
 from lightning_megatron.pipeline.transports import open_transport
-from lightning_megatron.pipeline.wgrad import SplitLinears, WeightGrad, collecting, split_linears
+from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
+from lightning_megatron.pipeline.wgrad_accumulate import WeightGrad, collecting
 from lightning_megatron.transport import Transport, TransportTimeout
 
 __all__ = ["DppSession"]
