@@ -1,5 +1,6 @@
 """What the GPU tests share: random tensors of every dtype, a tensor that takes a known time to compute (the
-transport's "is the data ready" cases), and where a test's results go (``record``)."""
+transport's "is the data ready" cases), where a test's results go (``record``), and the Llama-style layer
+settings the model tests add to a shape (``LLAMA_STYLE_LAYERS``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+LLAMA_STYLE_LAYERS = dict(
+    position_embedding_type="rope", normalization="RMSNorm", activation="swiglu", add_bias_linear=False
+)
+"""``GPTModule`` settings of a Llama-style model (rotary embeddings, RMSNorm, SwiGLU, no biases); a shape adds its
+sizes and grouped queries."""
 
 KERNEL_S = 0.3
 """How long the sender's GPU computes the tensor after it was handed to the transport."""

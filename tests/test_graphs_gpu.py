@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_work import record
+from gpu_work import LLAMA_STYLE_LAYERS, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,10 +285,7 @@ LLAMA_STYLE = dict(
     num_attention_heads=8,
     num_query_groups=2,
     ffn_hidden_size=704,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    add_bias_linear=False,
+    **LLAMA_STYLE_LAYERS,
     hidden_dropout=0.1,
     attention_dropout=0.1,
     lr=1e-3,

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
-from gpu_work import record
+from gpu_work import LLAMA_STYLE_LAYERS, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -229,15 +229,7 @@ def test_a_listener_that_is_not_graph_safe_keeps_steps_eager(tmp_path: Path) -> 
 # Llama-style (RMSNorm, SwiGLU, rotary embeddings, grouped queries, no biases), with dropout: other kernels in the
 # graph (the rotary and SwiGLU ones, the dropout's Philox draws), same GPU-bound size as SHAPE.
 LLAMA_SHAPE = dict(
-    SHAPE,
-    num_query_groups=4,
-    ffn_hidden_size=5632,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    add_bias_linear=False,
-    hidden_dropout=0.1,
-    attention_dropout=0.1,
+    SHAPE, **LLAMA_STYLE_LAYERS, num_query_groups=4, ffn_hidden_size=5632, hidden_dropout=0.1, attention_dropout=0.1
 )
 
 
