@@ -494,6 +494,23 @@ def _proc_stat(pid: str) -> Optional[tuple[int, int]]:
     return int(fields[1]), int(fields[11]) + int(fields[12])
 
 
+def _descendants(root: int) -> dict[int, int]:
+    """``root`` and every process below it, each with its CPU time so far (clock ticks)."""
+    stats = {int(pid): _proc_stat(pid) for pid in os.listdir("/proc") if pid.isdigit()}
+    children: dict[int, list[int]] = {}
+    for pid, stat in stats.items():
+        if stat is not None:
+            children.setdefault(stat[0], []).append(pid)
+    found, stack = {}, [root]
+    while stack:
+        pid = stack.pop()
+        stat = stats.get(pid)
+        if stat is not None:
+            found[pid] = stat[1]
+        stack.extend(children.get(pid, []))
+    return found
+
+
 def cpu_snapshot() -> dict[str, float]:
     """CPU seconds so far: ``host`` (every core's busy time, /proc/stat) and ``ours`` (this process and its
     descendants: the browser, the servers). Two snapshots tell how much of the host's work was foreign."""
@@ -502,18 +519,7 @@ def cpu_snapshot() -> dict[str, float]:
     values = [int(v) for v in line]
     idle = values[3] + (values[4] if len(values) > 4 else 0)
     host = (sum(values[:8]) - idle) / ticks
-    stats = {pid: _proc_stat(pid) for pid in os.listdir("/proc") if pid.isdigit()}
-    children: dict[int, list[int]] = {}
-    for pid, stat in stats.items():
-        if stat is not None:
-            children.setdefault(stat[0], []).append(int(pid))
-    ours, stack = 0, [os.getpid()]
-    while stack:
-        pid = stack.pop()
-        stat = stats.get(str(pid))
-        if stat is not None:
-            ours += stat[1]
-        stack.extend(children.get(pid, []))
+    ours = sum(_descendants(os.getpid()).values())
     return {"host": host, "ours": ours / ticks, "time": time.monotonic()}
 
 
@@ -540,15 +546,8 @@ class RunQueueWait:
 
     @staticmethod
     def _renderers() -> list[int]:
-        stats = {pid: _proc_stat(pid) for pid in os.listdir("/proc") if pid.isdigit()}
-        children: dict[int, list[int]] = {}
-        for pid, stat in stats.items():
-            if stat is not None:
-                children.setdefault(stat[0], []).append(int(pid))
-        found, stack = [], list(children.get(os.getpid(), []))
-        while stack:
-            pid = stack.pop()
-            stack.extend(children.get(pid, []))
+        found = []
+        for pid in _descendants(os.getpid()):
             try:
                 if b"--type=renderer" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     found.append(pid)
