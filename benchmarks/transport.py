@@ -15,7 +15,9 @@ Per transport and message size (4 KiB ... 256 MiB, powers of 4):
   message back), averaged over the iterations of a run;
 * **bandwidth**: one-way streaming from rank 0 to rank 1 with a window of outstanding sends (rank 0 waits for
   the oldest send when the window is full); the clock runs on rank 0 from the first send until rank 1's
-  one-byte acknowledgement of the last message arrives. Bytes of payload per second, GB/s = 1e9 B/s.
+  one-byte acknowledgement of the last message arrives. Bytes of payload per second, GB/s = 1e9 B/s. Beside it,
+  ``stream_cores`` (sender) and ``receiver_stream_cores``: each process's CPU time during the stream, every
+  thread counted (progress and copy threads too), over its wall time: the cores a transport keeps busy.
 
 Each figure is the median of ``--repeats`` runs, after a warm-up run. The reference on CPU is one process's
 ``dst.copy_(src)`` of preallocated tensors with one thread (same GB/s convention: bytes copied per second; the
@@ -24,8 +26,9 @@ into preallocated buffers), the target being ``shm`` at >= 80% of it from 16 MiB
 
 ``ucx`` is measured with UCX's own choice of fabric (recorded under ``details``: UCX's version and lanes),
 ``ucx-tcp`` with ``UCX_TLS=tcp``, ``ucx-cma`` with CMA's zero-copy rendezvous (``UCX_CMA_MEMORY_INVALIDATE=y``),
-and ``ucx-short-spin`` with the progress thread polling 20 µs after its last event, the CPU default, also on a
-GPU (where the default is 2 ms: ``lightning_megatron.transport.ucx.SPIN_SECONDS``).
+``ucx-short-spin`` with the progress thread polling 20 µs after its last event, the CPU default, also on a
+GPU (where the default is 2 ms: ``lightning_megatron.transport.ucx.SPIN_SECONDS``), and ``ucx-one-pull`` with
+deferred device messages received one at a time (``pull_ahead=0``).
 
 ``--one-gpu`` puts both processes on GPU 0 (CUDA IPC within one device; gloo only, so no NCCL channel): a GPU
 transport's per-message costs, measured where two GPUs are not to be had. Its copies run at one device's memory
@@ -72,11 +75,13 @@ LABELS = {
     "ucx-tcp": "ucx transport, UCX_TLS=tcp (loopback)",
     "ucx-cma": "ucx transport, UCX_CMA_MEMORY_INVALIDATE=y (CMA rendezvous)",
     "ucx-short-spin": "ucx transport, progress thread polls 20 µs after its last event",
+    "ucx-one-pull": "ucx transport, deferred device messages pulled one at a time (pull_ahead=0)",
 }
 VARIANTS = {
     "ucx-tcp": ("ucx", {"ucx_config": {"TLS": "tcp"}}),
     "ucx-cma": ("ucx", {"ucx_config": {"CMA_MEMORY_INVALIDATE": "y"}}),  # zero-copy CMA rendezvous on one host
     "ucx-short-spin": ("ucx", {"spin_seconds": 20e-6}),
+    "ucx-one-pull": ("ucx", {"pull_ahead": 0}),
 }
 """Channels that are a transport with settings: name -> (transport, create_transport arguments)."""
 ACK_TAG = 1 << 40
@@ -202,9 +207,10 @@ def measure(channel: Any, rank: int, size: int, device: str, quick: bool, repeat
                 channel.wait(channel.isend(i, got))
         return (time.perf_counter() - start) / (2 * iters)
 
-    def stream() -> float:
+    def stream() -> tuple[float, float]:
+        """(GB/s, cores): this process's CPU time (every thread: progress threads included) over the run's wall."""
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if rank == 0:
             pending: list[Any] = []
             for i in range(count):
@@ -220,15 +226,18 @@ def measure(channel: Any, rank: int, size: int, device: str, quick: bool, repeat
                 channel.recv(i, payload)
             sync()
             channel.wait(channel.isend(ACK_TAG, ack))
-        return count * size / (time.perf_counter() - start) / 1e9
+        wall = time.perf_counter() - start
+        return count * size / wall / 1e9, (time.process_time() - cpu) / wall
 
     pingpong(), stream()  # warm-up (connections, allocator, page cache)
     latencies = [pingpong() for _ in range(repeats)]
-    bandwidths = [stream() for _ in range(repeats)]
+    streams = [stream() for _ in range(repeats)]
+    bandwidths = [gbps for gbps, _ in streams]
     return {
         "bytes": size,
         "latency_us": statistics.median(latencies) * 1e6,
         "bandwidth_gbps": statistics.median(bandwidths),
+        "stream_cores": round(statistics.median(cores for _, cores in streams), 3),
         "latency_runs_us": [round(x * 1e6, 2) for x in latencies],
         "bandwidth_runs_gbps": [round(x, 4) for x in bandwidths],
         "pingpong_iters": iters,
@@ -305,7 +314,10 @@ def run_pair(name: str, sizes: list[int], quick: bool, repeats: int, gpus: int, 
             p.kill()
             p.join()
     if len(results) == 2 and all(ok for ok, _ in results.values()):
-        entry = {"label": LABELS.get(name, name), "results": results[0][1]["rows"]}
+        rows = results[0][1]["rows"]  # the sender's, with the receiver's CPU use beside its own
+        for row, theirs in zip(rows, results[1][1]["rows"]):
+            row["receiver_stream_cores"] = theirs["stream_cores"]
+        entry = {"label": LABELS.get(name, name), "results": rows}
         return {**entry, "details": results[0][1]["details"]} if results[0][1]["details"] else entry
     errors = [payload for ok, payload in results.values() if not ok] or ["no result (timed out or died)"]
     return {"label": LABELS.get(name, name), "error": errors[0].strip().splitlines()[-1], "traceback": errors[0]}

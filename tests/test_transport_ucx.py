@@ -164,6 +164,7 @@ def _device_path_on_host() -> dict[str, Any]:
         out["poster_queued"] = t._poster.queued
         # A stream on one tag, all arrived before the first take: the takes start the pulls behind them at once
         # (taken ahead, in order), and every message still comes out whole and in order.
+        dist.barrier()  # both have taken everything before: nothing of the stream is taken ahead by those takes
         stream = [t.isend(peer, 400, pattern(4 * MiB + i, seed=4000 * rank + i)) for i in range(6)]
         dist.barrier()
         time.sleep(0.5)  # the descriptors have landed in the mailbox (the data waits for the pulls: rendezvous)
@@ -174,6 +175,25 @@ def _device_path_on_host() -> dict[str, Any]:
             check_received(got, pattern(4 * MiB + i, seed=4000 * peer + i), f"stream message {i}")
         out["pulled_ahead"] = t.pulled_ahead - ahead_before
         for h in stream:
+            h.wait(30)
+        # A stream with a tag per message (as pipelines and the benchmark send): a take also starts the pulls of
+        # the deferred messages heading other tags' queues, oldest first. An eager message heading a tag stays in
+        # the mailbox, and so does the deferred one behind it (FIFO per tag).
+        dist.barrier()
+        wide_tags = [t.isend(peer, 500 + i, pattern(4 * MiB + i, seed=5000 * rank + i)) for i in range(6)]
+        wide_tags.append(t.isend(peer, 520, pattern(3, seed=5200 * rank)))  # eager
+        wide_tags.append(t.isend(peer, 520, pattern(4 * MiB, seed=5201 * rank)))  # deferred, behind it
+        dist.barrier()
+        time.sleep(0.5)
+        ahead_before = t.pulled_ahead
+        for i in [3, 0, 1, 2, 5, 4]:  # not in arrival order
+            check_received(t.recv(peer, 500 + i), pattern(4 * MiB + i, seed=5000 * peer + i), f"tag {500 + i}")
+        out["pulled_across_tags"] = t.pulled_ahead - ahead_before
+        out["ahead_on_520"] = len(t._ahead.get((peer, 520), ()))
+        check_received(t.recv(peer, 520), pattern(3, seed=5200 * peer), "eager head of tag 520")
+        check_received(t.recv(peer, 520), pattern(4 * MiB, seed=5201 * peer), "deferred behind it")
+        out["left_ahead"] = sum(len(queue) for queue in t._ahead.values())
+        for h in wide_tags:
             h.wait(30)
         # A message never taken: its kept descriptor is released at close, nothing hangs.
         if rank == 0:
@@ -195,6 +215,8 @@ def test_device_path_with_host_memory(ranks: Any) -> None:
         # 1, 8 and 32 MiB, the three large FIFO messages and the 12 MiB non-contiguous one come by rendezvous
         assert out["pulls"] >= 5, outs
         assert out["pulled_ahead"] >= 3, outs  # the stream's pulls ran side by side, not one take at a time
+        assert out["pulled_across_tags"] == 5, outs  # the first take started the other five tags' pulls
+        assert out["ahead_on_520"] == 0 and out["left_ahead"] == 0, outs
         assert out["close_s"] < 10, outs
 
 
@@ -213,6 +235,7 @@ def _bad_settings() -> dict[str, Any]:
     out["type"] = expect(MegatronConfigError, lambda: create("ucx", ucx_config={"TLS": None}), words=("TLS",))
     out["interval"] = expect(MegatronConfigError, lambda: create("ucx", keepalive_interval=0), words=("keepalive",))
     out["kwarg"] = expect(TypeError, lambda: create("ucx", bogus=1), words=("bogus",))
+    out["pull_ahead"] = expect(MegatronConfigError, lambda: create("ucx", pull_ahead=-1), words=("pull_ahead",))
     os.environ["UCX_TLS"] = "no_such_transport"
     try:
         out["tls"] = expect(TransportError, lambda: create("ucx"), words=("UCX_TLS=no_such_transport",))

@@ -43,8 +43,10 @@ chooses; ``transports_to`` lists the lanes), never through a copy of ours:
   (the data is already computed: the sender waited for it). Eager device messages (small) arrive in a host
   buffer and are copied to the device, as are messages from host memory. Received tensors are on the
   transport's device, as with ``shm``. A take also takes the messages already waiting behind it on the same
-  ``(peer, tag)`` (up to ``PREFETCH_MESSAGES`` and ``PREFETCH_BYTES``) and starts their pulls, kept in order for
-  the next takes of that key, so a stream of large messages is received side by side, not one pull at a time.
+  ``(peer, tag)``, then the deferred ones from that peer that head other tags' queues (up to ``pull_ahead``
+  messages and ``PREFETCH_BYTES`` waiting), and starts their pulls, kept in order for the next takes of each key,
+  so a stream of large messages is received side by side, not one pull at a time. While a pull is in flight the
+  progress thread polls UCX without sleeping (the copy's completion wakes no file descriptor).
 
 Tested so far: ``tests/test_transport_ucx_gpu.py`` passed once on 2 H200s (NVLink) with the ``libucx-cu13``
 1.22.0 wheel, torch 2.11+cu130, Python 3.12: UCX chose ``["posix/memory", "cuda_ipc/cuda"]``, a 64 MiB tensor
@@ -187,7 +189,8 @@ class UcxTransport(NativeTransport):
     (an environment variable of the same name wins). ``keepalive_interval``: seconds between UCX's liveness
     checks of each peer (how soon a killed peer is noticed where no transport reports it). ``spin_seconds``: how
     long the progress thread polls after an event before sleeping; unset, ``SPIN_SECONDS`` for the device (see
-    there). ``close_timeout``: how long ``close`` waits for its goodbyes to be flushed.
+    there). ``close_timeout``: how long ``close`` waits for its goodbyes to be flushed. ``pull_ahead``: how many
+    deferred device messages a take may start receiving before they are asked for (0: one pull at a time).
 
     With a CUDA ``device`` (see the module docstring): received tensors land on that device; CUDA tensors on it
     are sent from GPU memory through UCX once their producers have finished.
@@ -203,6 +206,7 @@ class UcxTransport(NativeTransport):
         keepalive_interval: float = 1.0,
         spin_seconds: Optional[float] = None,
         close_timeout: float = 5.0,
+        pull_ahead: int = 8,
         **kwargs: Any,
     ) -> None:
         self._poster: Optional[Poster] = None
@@ -221,6 +225,11 @@ class UcxTransport(NativeTransport):
         super().__init__(**kwargs)
         if spin_seconds is None:
             spin_seconds = SPIN_SECONDS[self.device.type]
+        if isinstance(pull_ahead, bool) or not isinstance(pull_ahead, int) or pull_ahead < 0:
+            raise MegatronConfigError(
+                f"transport 'ucx': pull_ahead={pull_ahead!r} must be an int >= 0 (messages; 0 pulls one at a time)."
+            )
+        self.pull_ahead = pull_ahead
         if keepalive_interval <= 0 or spin_seconds < 0 or close_timeout <= 0:
             raise MegatronConfigError(
                 f"transport 'ucx': keepalive_interval={keepalive_interval} and close_timeout={close_timeout} must be "
@@ -365,10 +374,11 @@ class UcxTransport(NativeTransport):
     # -- receiving ------------------------------------------------------------------------------------------------
     # A deferred device message is received when Python takes it. One at a time, each take would wait for its own
     # transfer, and a stream of large messages would move at the speed of one pull after another. So a take also
-    # takes the messages already waiting behind it on the same (peer, tag), up to PREFETCH_MESSAGES and
-    # PREFETCH_BYTES, starts their pulls, and keeps them (``_ahead``) in order for the next takes of that key.
+    # takes the messages already waiting behind it on the same (peer, tag), then the deferred messages from the
+    # same peer that head the queues of other tags (oldest first: pipelines and the benchmark's stream give every
+    # message its own tag), up to ``pull_ahead`` messages and PREFETCH_BYTES pulled and not yet taken, starts their
+    # pulls, and keeps them (``_ahead``) in order for the next takes of each key.
 
-    PREFETCH_MESSAGES = 8
     PREFETCH_BYTES = 512 << 20
 
     def _is_deferred(self, header: bytes) -> bool:
@@ -383,21 +393,33 @@ class UcxTransport(NativeTransport):
         return self._finish_pull(peer, tag, out, op, length, self.timeout)
 
     def _take_ahead(self, peer: int, tag: int) -> None:
-        """Take what already waits behind a deferred message on ``(peer, tag)``, starting the pulls."""
+        """Take what already waits behind a deferred message on ``(peer, tag)``, then deferred messages from
+        ``peer`` on other tags, starting the pulls, while fewer than ``pull_ahead`` messages / PREFETCH_BYTES pulled
+        messages (landed or not) wait in ``_ahead`` on any key: the GPU memory taken before it is asked for."""
+        pulled = [length for queue in self._ahead.values() for _, op, length in queue if op is not None]
+        count, queued = len(pulled), sum(pulled)
         ahead = self._ahead.setdefault((peer, tag), deque())
-        queued = sum(length for _, op, length in ahead if op is not None)
-        while len(ahead) < self.PREFETCH_MESSAGES and queued < self.PREFETCH_BYTES:
+        while count < self.pull_ahead and queued < self.PREFETCH_BYTES:
             msg = self._engine.take(peer, tag)
             if msg is None:
-                return
+                break
             header, buf = msg
             if self._is_deferred(header):
                 out, op, length = self._start_pull(peer, tag, header)
                 ahead.append((out, op, length))
-                queued += length
+                count, queued = count + 1, queued + length
                 self.pulled_ahead += 1
             else:
                 ahead.append((self._decode(peer, tag, header, buf), None, 0))
+        while count < self.pull_ahead and queued < self.PREFETCH_BYTES:
+            taken = self._engine.take_deferred(peer, 1)
+            if not taken:
+                return
+            other, header = taken[0]
+            out, op, length = self._start_pull(peer, other, header)
+            self._ahead.setdefault((peer, other), deque()).append((out, op, length))
+            count, queued = count + 1, queued + length
+            self.pulled_ahead += 1
 
     def _next_ahead(self, peer: int, tag: int, timeout: Optional[float]) -> Optional[torch.Tensor]:
         """The oldest message taken ahead on ``(peer, tag)``: at once (``timeout=None``: only if its data is

@@ -12,6 +12,7 @@ Mailbox::Mailbox(std::string label, int world_size)
 void Mailbox::deliver(int peer, uint64_t tag, Message&& msg) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    msg.arrival = arrivals_++;
     boxes_[Key{peer, tag}].push_back(std::move(msg));
     queued_++;
   }
@@ -117,6 +118,25 @@ bool Mailbox::wait_take_any(const std::vector<std::pair<int, uint64_t>>& keys, d
     if (take_any_locked(keys, index, out)) return true;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) return take_any_locked(keys, index, out);
   }
+}
+
+std::vector<std::pair<uint64_t, Message>> Mailbox::take_heads(int peer, size_t limit,
+                                                              const std::function<bool(const Message&)>& want) {
+  std::vector<std::pair<uint64_t, Message>> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  while (out.size() < limit) {
+    auto best = boxes_.end();
+    for (auto it = boxes_.begin(); it != boxes_.end(); ++it)
+      if (it->first.peer == peer && (best == boxes_.end() || it->second.front().arrival < best->second.front().arrival) &&
+          want(it->second.front()))
+        best = it;
+    if (best == boxes_.end()) break;
+    out.emplace_back(best->first.tag, std::move(best->second.front()));
+    best->second.pop_front();
+    if (best->second.empty()) boxes_.erase(best);
+    queued_--;
+  }
+  return out;
 }
 
 PeerState Mailbox::state(int peer) {

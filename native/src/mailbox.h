@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -23,6 +24,7 @@ namespace lmt {
 struct Message {
   std::string header;             // opaque to C++: Python encodes kind/dtype/shape here
   std::shared_ptr<Block> payload;  // may be an empty block (0 bytes)
+  uint64_t arrival = 0;            // set by Mailbox::deliver: filing order across every (peer, tag)
 };
 
 enum class PeerState { Unknown = 0, Connected = 1, Closed = 2, Lost = 3 };
@@ -49,6 +51,11 @@ class Mailbox {
   // Like take_any, blocking up to `timeout` seconds on the same condition variable as wait_take.
   bool wait_take_any(const std::vector<std::pair<int, uint64_t>>& keys, double timeout, size_t* index, Message* out);
 
+  // Take-ahead across tags: the oldest messages from `peer`, oldest first, that head their (peer, tag) queue and
+  // satisfy `want`, up to `limit` (a message behind one that `want` refuses stays). Never blocks or throws.
+  std::vector<std::pair<uint64_t, Message>> take_heads(int peer, size_t limit,
+                                                       const std::function<bool(const Message&)>& want);
+
   PeerState state(int peer);
   size_t queued();  // messages filed and not yet taken (all peers)
   const std::string& label() const { return label_; }
@@ -72,6 +79,7 @@ class Mailbox {
   std::vector<PeerState> states_;
   std::vector<std::string> reasons_;
   size_t queued_ = 0;
+  uint64_t arrivals_ = 0;
   bool shutdown_ = false;
 };
 

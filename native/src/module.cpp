@@ -276,6 +276,20 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("peer"), py::arg("token"), py::arg("address"), py::arg("nbytes"), py::arg("memory_type"),
           "Receive a deferred device message into address (exactly its length); the op completes when it landed.")
+      .def(
+          "take_deferred",
+          [](UcxEngine& e, int peer, size_t limit) {
+            std::vector<std::pair<uint64_t, Message>> taken;
+            {
+              py::gil_scoped_release release;
+              taken = e.take_deferred(peer, limit);
+            }
+            py::list out;
+            for (auto& [tag, msg] : taken) out.append(py::make_tuple(tag, py::bytes(msg.header)));
+            return out;
+          },
+          py::arg("peer"), py::arg("limit"),
+          "[(tag, header)] of deferred messages from peer that head their tag's queue, oldest first (at most limit).")
       .def("device_mode", &UcxEngine::device_mode, py::arg("device"), py::arg("flags"),
            py::call_guard<py::gil_scoped_release>(),
            "Progress thread onto the device's primary CUDA context; defer device messages from now on.");

@@ -133,6 +133,15 @@ void UcxEngine::loop() {
       last_busy = now_s();
       continue;
     }
+    if (device_in_flight_ > 0) {
+      // UCX's CUDA transports (cuda_ipc, cuda_copy) finish a copy by polling its CUDA event, which wakes no file
+      // descriptor: asleep, this thread would hear of it only at its next wake-up. So poll while a pull is in
+      // flight (the receiver makes the copy; a sender waits for the receiver's acknowledgement, a message that
+      // does wake it, so a send waiting for a busy receiver costs no core).
+      last_busy = now_s();
+      cpu_relax();
+      continue;
+    }
     if (now_s() - last_busy < opts_.spin_seconds) {
       cpu_relax();
       continue;
@@ -351,6 +360,16 @@ SendOpPtr UcxEngine::device_mode(int device, uint32_t flags) {
   return queue_task(op, [this, op, device, flags] { enter_device_mode(op, device, flags); });
 }
 
+std::vector<std::pair<uint64_t, Message>> UcxEngine::take_deferred(int peer, size_t limit) {
+  check_peer(peer);
+  return mailbox_.take_heads(peer, limit, [](const Message& m) {
+    int64_t kind = 0;
+    if (m.header.size() < kKindOffset + sizeof kind) return false;
+    std::memcpy(&kind, &m.header[kKindOffset], sizeof kind);
+    return kind == kKindPull;
+  });
+}
+
 // Runs `task` on the progress thread (the only one that touches the worker); `op` reports its outcome.
 SendOpPtr UcxEngine::queue_task(const SendOpPtr& op, std::function<void()> task) {
   {
@@ -435,6 +454,7 @@ void UcxEngine::start_pull(const SendOpPtr& op, uint64_t token, ucs_memory_type_
   f->op = op;
   f->peer = d.peer;
   f->pull = true;
+  f->device = true;
   ucp_request_param_t prm{};
   prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   prm.cb.recv_am = &UcxEngine::recv_cb;
@@ -446,14 +466,14 @@ void UcxEngine::start_pull(const SendOpPtr& op, uint64_t token, ucs_memory_type_
   } else if (UCS_PTR_IS_ERR(req)) {
     on_pull_done(f, UCS_PTR_STATUS(req));
   } else {
-    in_flight_.insert(f);
+    track(f);
   }
 }
 
 // A failed pull loses that one message (the sequence is intact: it was filed in order), not the peer; if the
 // peer died, its error callback has said so already.
 void UcxEngine::on_pull_done(InFlight* f, ucs_status_t status) {
-  in_flight_.erase(f);
+  untrack(f);
   if (status == UCS_OK) {
     f->op->complete();
   } else {
@@ -525,8 +545,17 @@ void UcxEngine::post(const SendOpPtr& op, uint32_t magic) {
     delete f;
     send_failed(op, UCS_PTR_STATUS(req));
   } else {
-    in_flight_.insert(f);
+    track(f);
   }
+}
+
+void UcxEngine::track(InFlight* f) {
+  in_flight_.insert(f);
+  if (f->device) device_in_flight_++;
+}
+
+void UcxEngine::untrack(InFlight* f) {
+  if (in_flight_.erase(f) != 0 && f->device) device_in_flight_--;
 }
 
 void UcxEngine::send_cb(void* request, ucs_status_t status, void* user_data) { finish(request, status, user_data); }
@@ -549,7 +578,7 @@ void UcxEngine::finish(void* request, ucs_status_t status, void* user_data) {
 }
 
 void UcxEngine::on_send_done(InFlight* f, ucs_status_t status) {
-  in_flight_.erase(f);
+  untrack(f);
   if (status == UCS_OK)
     f->op->complete();
   else
@@ -647,6 +676,7 @@ void UcxEngine::close() {
     delete f;
   }
   in_flight_.clear();
+  device_in_flight_ = 0;
   api_.cleanup(context_);
   context_ = nullptr;
   for (auto& p : peers_) p->watch.reset();  // their pidfds

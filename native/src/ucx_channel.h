@@ -115,6 +115,9 @@ class UcxEngine : public Engine {
   // Make the progress thread current on CUDA device `device`'s primary context (unless flags has
   // kDeviceModeNoContext) and defer flagged rendezvous messages from then on; the op completes when it has.
   SendOpPtr device_mode(int device, uint32_t flags);
+  // Take-ahead across tags: deferred messages from `peer` that head their (peer, tag) queue, oldest first, up to
+  // `limit` (Python starts their pulls before it is asked for them). Never blocks.
+  std::vector<std::pair<uint64_t, Message>> take_deferred(int peer, size_t limit);
   void close() override;
   void abandon() override;
 
@@ -154,6 +157,7 @@ class UcxEngine : public Engine {
     int peer = -1;
     uint64_t seq = 0;
     bool pull = false;
+    bool device = false;  // a pull: the copy's completion wakes no file descriptor (see loop())
   };
 
   // A rendezvous message kept for Python to pull into device memory (progress thread only).
@@ -178,6 +182,8 @@ class UcxEngine : public Engine {
   ucs_status_t on_am(const void* header, size_t header_length, void* data, size_t length,
                      const ucp_am_recv_param_t* param);
   void on_recv_done(InFlight* f, ucs_status_t status);
+  void track(InFlight* f);
+  void untrack(InFlight* f);
   void file(Peer& p, uint64_t seq, Pending&& m);
   void drain(Peer& p);
   void deliver(Peer& p, Pending& m);
@@ -203,6 +209,7 @@ class UcxEngine : public Engine {
 
   std::vector<std::unique_ptr<Peer>> peers_;  // index: rank (fixed size: the error callback holds a Peer*)
   std::set<InFlight*> in_flight_;             // progress thread only: requests UCX still holds
+  size_t device_in_flight_ = 0;               // progress thread only: pulls among them (InFlight::device)
   std::map<uint64_t, Deferred> deferred_;      // progress thread only: rendezvous messages awaiting a pull
   uint64_t next_token_ = 1;                    // progress thread only
   std::atomic<bool> device_mode_{false};        // set by device_mode() (on the progress thread)

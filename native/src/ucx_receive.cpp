@@ -76,7 +76,7 @@ ucs_status_t UcxEngine::on_am(const void* header, size_t header_length, void* da
       else if (UCS_PTR_IS_ERR(req))
         on_recv_done(f, UCS_PTR_STATUS(req));
       else
-        in_flight_.insert(f);
+        track(f);
       return UCS_OK;
     }
     // Eager: the data is here and valid during this callback only.
@@ -97,7 +97,7 @@ ucs_status_t UcxEngine::on_am(const void* header, size_t header_length, void* da
 }
 
 void UcxEngine::on_recv_done(InFlight* f, ucs_status_t status) {
-  in_flight_.erase(f);
+  untrack(f);
   Peer& p = *peers_[size_t(f->peer)];
   const uint64_t seq = f->seq;
   delete f;
