@@ -24,6 +24,7 @@ SOURCES = [
     "native/src/rdma_channel.cpp",
     "native/src/ucx_api.cpp",
     "native/src/ucx_channel.cpp",
+    "native/src/ucx_device.cpp",
     "native/src/ucx_receive.cpp",
     "native/src/module.cpp",
 ]
