@@ -3,9 +3,12 @@
     python benchmarks/megascan_eval.py --runs 10 --out benchmarks/results/megascan_eval_2xh200.json   # 2 GPUs
     python benchmarks/megascan_eval.py --cpu --runs 4 --out benchmarks/results/megascan_eval_cpu.json  # gloo
 
-One ``torchrun`` launch of 2 processes per layout (DP2, TP2 with sequence parallelism, PP2); inside it, fits
-one after another (the strategy supports many fits per process), every step from step 2 traced, detection at fit
-end with its default thresholds. Cases, each ``--runs`` times, the faulted rank alternating between 0 and 1:
+    python benchmarks/megascan_eval.py --layouts single --steps 34 --runs 10 --out ...   # one GPU, faults mid-fit
+
+One ``torchrun`` launch per layout (DP2, TP2 with sequence parallelism, PP2: 2 processes; ``single``: one);
+inside it, fits one after another (the strategy supports many fits per process), every step from step 2 traced,
+detection at fit end with its default thresholds. Cases, each ``--runs`` times, the faulted rank alternating
+between 0 and 1:
 
 * ``clean``;
 * ``gpu-contention`` / ``gpu-contention-bursty``: another process multiplying matrices on the rank's GPU,
@@ -15,6 +18,11 @@ end with its default thresholds. Cases, each ``--runs`` times, the faulted rank 
   about 25% / 2% of a clean step per batch;
 * ``link-delay`` (PP2 only): pipeline messages from rank 0 to rank 1 arrive later, about 25% of a clean step per
   step (``scan.inject.LinkDelayInjector``).
+
+``single`` is one process on one GPU (CUDA graphs replayed by default there, and traced so): no peer to compare
+with, so its faults begin halfway through the traced steps (``onset_step``: ``CompetingProcess(start_step=...)``,
+``SlowDataset(after_reads=...)``), a machine that turns slow during a run, which only the rank's own earlier steps
+can show. Use at least 34 steps (16 analysed steps on each side of the onset, what that rule needs).
 
 Scoring (``score``): a fault *slows the job* when its median step time (from one step's end to the next, the
 fetch included) is ≥ 10% above the clean runs'. For those, recall is the fraction of runs naming the faulted rank
@@ -49,7 +57,10 @@ LAYOUTS = {
     "dp2": {},
     "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "pp2": {"pipeline_model_parallel_size": 2},
+    "single": {},
 }
+DEVICES = {"single": 1}  # processes per launch (2 otherwise)
+TRACED_FROM = 2  # MegaScan(start_step=...): the first steps compile, capture graphs and fill caches
 GRANULARITY = {"pp2": "layer"}  # stages alone in their stage are compared on layer parts (MegaScan's advice)
 EXPECTED = {  # the kinds that name a fault rightly
     "gpu-contention": {"compute"},
@@ -87,24 +98,27 @@ def _callbacks(
     micro_batch: int,
     granularity: str,
     competitors: dict[tuple[str, int], Any],
+    onset_step: int = 0,
 ) -> tuple[list, Any]:
     """The MegaScan callback, the fault's callbacks, and a dataset wrapper for the loader faults. Competing
     processes are kept alive between fits (``competitors``: one per case and rank, paused between its fits), so
-    each run's fit starts with its fault already competing and pays no process start-up."""
+    each run's fit starts with its fault already competing and pays no process start-up. ``onset_step``: the
+    fault begins at this step (0: from the start)."""
     from lightning_megatron.scan import LinkDelayInjector, MegaScan
     from lightning_megatron.scan.faults import CompetingProcess, SlowDataset
 
-    callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=2, granularity=granularity)]
+    callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=TRACED_FROM, granularity=granularity)]
     wrap = None
     if case in COMPETITORS:
         key = (case, rank)
         if key not in competitors:
-            competitors[key] = CompetingProcess([rank], keep_alive=True, **COMPETITORS[case])
+            competitors[key] = CompetingProcess([rank], keep_alive=True, start_step=onset_step, **COMPETITORS[case])
         callbacks.append(competitors[key])
     elif case.startswith("slow-loader"):
         share = 0.02 if case.endswith("mild") else 0.25
-        per_sample_ms = share * step_ms / (MICROBATCHES * micro_batch)  # samples in a rank's batch
-        wrap = lambda dataset: SlowDataset(dataset, per_sample_ms, [rank])  # noqa: E731
+        samples = MICROBATCHES * micro_batch  # in a rank's batch
+        per_sample_ms = share * step_ms / samples
+        wrap = lambda dataset: SlowDataset(dataset, per_sample_ms, [rank], after_reads=onset_step * samples)  # noqa: E731
     elif case == "link-delay":
         callbacks.append(LinkDelayInjector(src=0, dst=1, delay_ms=0.25 * step_ms / MICROBATCHES))
     return callbacks, wrap
@@ -137,14 +151,21 @@ def _worker(spec: dict[str, Any]) -> None:
                         f"{spec['layout_name']}: deadline reached, {len(records)} of {len(plan)} runs made", flush=True
                     )
                 break
-            rank = 0 if case == "link-delay" else i % 2
+            rank = 0 if case == "link-delay" or spec["devices"] == 1 else i % 2
             step_ms = statistics.median(clean_ms) if clean_ms else 100.0
             callbacks, wrap = _callbacks(
-                case, rank, step_ms, workdir / f"{case}-{i}", spec["micro_batch_size"], spec["granularity"], competitors
+                case,
+                rank,
+                step_ms,
+                workdir / f"{case}-{i}",
+                spec["micro_batch_size"],
+                spec["granularity"],
+                competitors,
+                spec["onset_step"],
             )
             started = time.perf_counter()
             times = fit_once(spec, callbacks, steps, wrap_dataset=wrap, wall=True)  # fetches included
-            median_ms = 1000 * statistics.median(times[1:])
+            median_ms = 1000 * statistics.median(times[max(1, spec["onset_step"]) :])  # the faulted steps
             if case == "clean":
                 clean_ms.append(median_ms)
             report = callbacks[0].report
@@ -243,7 +264,7 @@ def _launch(spec: dict[str, Any]) -> dict[str, Any]:
     """One torchrun launch of the layout. Its progress lines are echoed as they come, and the runs made so far
     are read back even when this process is stopped (SIGTERM from an outer ``timeout``, Ctrl-C): the worker
     writes them after every fit."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['devices']}"]
     command += [__file__, "--worker-spec", json.dumps(spec)]
     log_path = Path(spec["workdir"] + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +305,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=False)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="*", default=[n for n in LAYOUTS if n not in DEVICES], choices=list(LAYOUTS))
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium")
     parser.add_argument("--cpu", action="store_true", help="gloo processes and a tiny model (no GPU faults)")
     parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
@@ -331,7 +352,6 @@ def main() -> int:
         parser.error("--out is required")
     base = {
         "accelerator": "cpu" if args.cpu else "gpu",
-        "devices": 2,
         "model": CPU_MODEL if args.cpu else GPU_MODELS[args.model],
         "model_name": "cpu-tiny" if args.cpu else args.model,
         "micro_batch_size": 1 if args.cpu else MICRO_BATCH[args.model],
@@ -340,7 +360,7 @@ def main() -> int:
     }
     command = " ".join(["python", "benchmarks/megascan_eval.py", *sys.argv[1:]])
     result: dict[str, Any] = {"what": "MegaScan detection against outside faults", **provenance(), "command": command}
-    result.update({k: v for k, v in base.items() if k != "devices"})
+    result.update(base)
     result["layouts"] = {}
     if args.append and args.out.exists():
         previous = json.loads(args.out.read_text())
@@ -349,10 +369,15 @@ def main() -> int:
     began = time.time()
     with tempfile.TemporaryDirectory() as workdir:
         for k, name in enumerate(args.layouts):
-            layout = LAYOUTS[name]
-            dp = 2 if not layout else 1
+            layout, devices = LAYOUTS[name], DEVICES.get(name, 2)
+            dp = devices if not layout else 1
+            onset = TRACED_FROM + (args.steps - TRACED_FROM) // 2 if devices == 1 else 0
+            if devices == 1 and args.steps - onset < 16:
+                parser.error(f"--layouts single: --steps {args.steps} leaves under 16 steps after the onset; use >= 34")
             spec = {
                 **base,
+                "devices": devices,
+                "onset_step": onset,
                 "layout": layout,
                 "layout_name": name,
                 "granularity": GRANULARITY.get(name, "stage"),
@@ -363,7 +388,7 @@ def main() -> int:
                 "result": f"{workdir}/{name}.json",
                 "deadline": began + args.budget_s * (k + 1) / len(args.layouts) if args.budget_s else None,
             }
-            outcome = _launch(spec)
+            outcome = {"devices": devices, "onset_step": onset, **_launch(spec)}
             if args.keep_traces:
                 shutil.copytree(spec["workdir"], args.keep_traces / name, dirs_exist_ok=True)
             earlier = result["layouts"].get(name, {}).get("runs", [])

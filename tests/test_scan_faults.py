@@ -15,7 +15,7 @@ import torch
 from lightning_megatron import MegatronConfigError
 from lightning_megatron.scan.faults import CompetingProcess, SlowDataset
 
-CPU_TRAINER = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+CPU_TRAINER = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), global_step=0)
 
 
 def _children() -> list[psutil.Process]:
@@ -55,6 +55,10 @@ def test_bad_settings_name_the_parameter() -> None:
         CompetingProcess([0], kind="gpu").on_fit_start(CPU_TRAINER, None)
     with pytest.raises(MegatronConfigError, match="delay_ms"):
         SlowDataset([1], delay_ms=-1, ranks=[0])
+    with pytest.raises(MegatronConfigError, match="start_step"):
+        CompetingProcess([0], start_step=-1)
+    with pytest.raises(MegatronConfigError, match="after_reads"):
+        SlowDataset([1], delay_ms=1, ranks=[0], after_reads=-1)
 
 
 def test_slow_dataset_delays_only_the_named_ranks() -> None:
@@ -66,6 +70,42 @@ def test_slow_dataset_delays_only_the_named_ranks() -> None:
     started = time.perf_counter()
     assert [fast[i] for i in range(5)] == data and len(fast) == 5
     assert slow_s >= 0.15 > time.perf_counter() - started
+
+
+def test_slow_dataset_turns_slow_after_its_reads() -> None:
+    slow = SlowDataset(list(range(6)), delay_ms=40, ranks=[0], after_reads=3)
+    started = time.perf_counter()
+    assert [slow[i] for i in range(3)] == [0, 1, 2]
+    quick_s = time.perf_counter() - started
+    started = time.perf_counter()
+    assert [slow[i] for i in range(3, 6)] == [3, 4, 5]
+    assert time.perf_counter() - started >= 0.12 > quick_s
+
+
+def _busy_seconds(child: psutil.Process) -> float:
+    """CPU seconds the child used in one second (a spinner on a loaded 2-core machine still gets 0.3 or so)."""
+    start = sum(child.cpu_times()[:2])
+    time.sleep(1.0)
+    return sum(child.cpu_times()[:2]) - start
+
+
+def test_competitors_with_a_start_step_wait_for_it() -> None:
+    """``start_step``: started and ready at fit start, idle until the step, competing from it on (a machine that
+    turns slow mid-run)."""
+    before = {c.pid for c in _children()}
+    fault = CompetingProcess([0], kind="cpu", processes=1, start_step=3)
+    try:
+        fault.on_fit_start(CPU_TRAINER, None)
+        (child,) = [c for c in _children() if c.pid not in before]
+        time.sleep(0.2)
+        assert _busy_seconds(child) < 0.05  # ready, waiting for step 3
+        fault.on_train_batch_start(SimpleNamespace(global_step=2), None, None, 0)
+        assert _busy_seconds(child) < 0.05
+        fault.on_train_batch_start(SimpleNamespace(global_step=3), None, None, 0)
+        assert _busy_seconds(child) > 0.1
+    finally:
+        fault.on_fit_end(CPU_TRAINER, None)
+    assert [c.pid for c in _children() if c.pid not in before] == []
 
 
 def test_fit_start_waits_for_the_competitors_and_reports_one_that_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,13 +130,7 @@ def test_kept_alive_competitors_pause_between_fits_and_close() -> None:
     ``close``: an evaluation of many short fits pays the start-up once."""
     before = {c.pid for c in _children()}
     fault = CompetingProcess([0], kind="cpu", processes=1, keep_alive=True)
-
-    def busy_seconds(child: psutil.Process) -> float:
-        """CPU seconds the child used in one second (a spinner on a loaded 2-core machine still gets 0.3 or so)."""
-        start = sum(child.cpu_times()[:2])
-        time.sleep(1.0)
-        return sum(child.cpu_times()[:2]) - start
-
+    busy_seconds = _busy_seconds
     try:
         fault.on_fit_start(CPU_TRAINER, None)
         (child,) = [c for c in _children() if c.pid not in before]

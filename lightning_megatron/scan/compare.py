@@ -25,7 +25,12 @@ decides which comparisons name a suspect).
   another's in a way that the ranks of the differences cannot explain by chance? Paired by step, so what all
   members share in a step (its data, a slow collective) cancels; rank-based, so one burst, however large, weighs
   as one step; and it uses the size of the differences, so a slowdown that hits 40 % of the steps hard is found
-  where a sign test would need far more steps. ``trimmed_mean`` gives the size of such an excess.
+  where a sign test would need far more steps. ``trimmed_mean`` gives the size of such an excess;
+* against itself, ``later_half_change`` compares a member's later steps with its own earlier ones: a change
+  during the run, where there is no peer to compare with. Unpaired, by two tests: ``rank_sum_p`` (a shift of
+  all the later steps) and ``exceedance_p`` (some of them far above every earlier step: bursts, which hit one
+  step in two and leave the rank sum short of significance), Bonferroni over the two; sizes as 10 %-trimmed
+  means, which a slowdown in part of the later steps moves by that part's share, where a median need not move.
 """
 
 from __future__ import annotations
@@ -40,10 +45,13 @@ from typing import Any, Optional
 
 __all__ = [
     "Comparison",
+    "HistoryChange",
     "Level",
     "compare_with_peers",
+    "exceedance_p",
     "levels_of",
     "lower_half_bias",
+    "later_half_change",
     "lower_half_median",
     "mad_sigma",
     "pooled_sigma",
@@ -341,3 +349,52 @@ def rank_sum_p(slower: Sequence[float], faster: Sequence[float]) -> float:
         return 1.0
     z = (u - n1 * n2 / 2.0 - 0.5) / math.sqrt(variance)
     return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def exceedance_p(later: Sequence[float], earlier: Sequence[float]) -> float:
+    """One-sided p-value that as many of ``later`` lie above every value of ``earlier`` by chance: with k of them
+    above the earlier maximum, the k largest of all values are all later ones, which for exchangeable values
+    has probability C(n, k) / C(n + m, k). Exact, no distribution assumed; a single earlier hiccup only makes it
+    conservative."""
+    if not later or not earlier:
+        return 1.0
+    top = max(earlier)
+    k = sum(1 for v in later if v > top)
+    return math.comb(len(later), k) / math.comb(len(later) + len(earlier), k)
+
+
+@dataclass(frozen=True)
+class HistoryChange:
+    """A member's later steps against its own earlier ones: trimmed means, relative excess, one-sided p-value."""
+
+    earlier_steps: tuple[int, int]
+    later_steps: tuple[int, int]
+    before: float
+    after: float
+    excess: float
+    p: float
+
+
+def later_half_change(per_step: dict[int, float], min_steps: int) -> Optional[HistoryChange]:
+    """The steps split into an earlier and a later half (the middle one left out when odd), each of at least
+    ``min_steps``, compared by their 10 %-trimmed means; ``p`` is twice the smaller of ``rank_sum_p`` and
+    ``exceedance_p`` (see the module docstring); None with fewer steps or a zero baseline. (On steps that a
+    burst hits one in two, the later half's median sits on the edge between hit and spared steps and may show
+    nothing; the trimmed mean shows half the burst's size.)"""
+    steps = sorted(per_step)
+    half = len(steps) // 2
+    if half < min_steps:
+        return None
+    earlier = [per_step[s] for s in steps[:half]]
+    later = [per_step[s] for s in steps[-half:]]
+    before, after = trimmed_mean(earlier), trimmed_mean(later)
+    if before <= 0:
+        return None
+    return HistoryChange(
+        earlier_steps=(steps[0], steps[half - 1]),
+        later_steps=(steps[-half], steps[-1]),
+        before=before,
+        after=after,
+        excess=after / before - 1.0,
+        p=min(1.0, 2.0 * min(rank_sum_p(later, earlier), exceedance_p(later, earlier))),
+    )

@@ -31,12 +31,13 @@ from typing import Any, Optional
 
 from lightning_megatron.scan.compare import (
     Comparison,
+    HistoryChange,
     Level,
     compare_with_peers,
+    later_half_change,
     levels_of,
     lower_half_median,
     pooled_sigma,
-    rank_sum_p,
     signed_rank_p,
     trimmed_mean,
 )
@@ -45,11 +46,13 @@ from lightning_megatron.scan.measure import RankTrace, StepTotal
 from lightning_megatron.scan.report import RankSummary, Suspect
 
 __all__ = [
+    "HISTORY_RULE",
     "attribute_busy",
     "attribute_host",
     "comparison_evidence",
     "compute_suspects",
     "flagged",
+    "history_evidence",
     "make_suspect",
     "own_history_suspects",
     "peer_groups",
@@ -63,7 +66,7 @@ _MIN_SUPERIORITY = 0.8
 MIN_STEPS = 8  # steps of identical work for the per-step rule (its smallest p-value is then 1/256)
 _STEP_ALPHA = 0.01  # per-step rule: one rank against all its peers (Bonferroni over them)
 _STEP_ALPHA_LARGE = 0.05  # ... for an excess of at least twice min_slowdown: bursts that leave a few steps clean
-_HISTORY_ALPHA = 0.001  # own-history rule: later half against earlier half, per rank (many ranks are tested)
+_HISTORY_ALPHA = 0.01  # own-history rules: later half against earlier half, family-wise over the ranks tested
 
 
 def peer_groups(traces: dict[int, RankTrace]) -> dict[int, list[int]]:
@@ -249,32 +252,41 @@ def own_history_suspects(
     for rank, per_step in sorted(totals.items()):
         if rank in named:
             continue
-        steps = sorted(s for s, t in per_step.items() if t.spans and t.compute_us > 0)
-        counts = {per_step[s].spans for s in steps}
-        if len(counts) != 1 or len(steps) < 2 * MIN_STEPS:
+        steps = [s for s, t in per_step.items() if t.spans and t.compute_us > 0]
+        if len({per_step[s].spans for s in steps}) != 1:
             continue
-        half = len(steps) // 2
-        earlier = [per_step[s].compute_us for s in steps[:half]]
-        later = [per_step[s].compute_us for s in steps[-half:]]
-        before, after = statistics.median(earlier), statistics.median(later)
-        excess, impact_us = after / before - 1.0, after - before
-        if excess < min_slowdown or impact_us < min_impact_us:
-            continue
-        p = rank_sum_p(later, earlier)
-        if p >= _HISTORY_ALPHA:
-            continue
-        evidence = {
-            "rule": "later steps against the rank's own earlier steps",
-            "earlier_steps": [steps[0], steps[half - 1]],
-            "later_steps": [steps[-half], steps[-1]],
-            "median_ms": after / 1000,
-            "baseline_ms": before / 1000,
-            "p_value": p,
-            "impact_ms": impact_us / 1000,
-            "step_ms": per_rank[rank].step_ms,
-        }
-        found.append(make_suspect(traces[rank], "compute", excess, evidence))
+        change = later_half_change({s: per_step[s].compute_us for s in steps}, MIN_STEPS)
+        evidence = history_evidence(change, min_slowdown, min_impact_us, len(totals))
+        if evidence is not None:
+            evidence["step_ms"] = per_rank[rank].step_ms
+            found.append(make_suspect(traces[rank], "compute", change.excess, evidence))
     return found
+
+
+HISTORY_RULE = "later steps against the rank's own earlier steps"
+
+
+def history_evidence(
+    change: Optional[HistoryChange], min_slowdown: float, min_impact_us: float, ranks_tested: int
+) -> Optional[dict[str, Any]]:
+    """The evidence of a suspect named against its own history (``HISTORY_RULE``), or None where ``change`` is not
+    a slowdown by ``min_slowdown`` and ``min_impact_us`` per step at p below ``_HISTORY_ALPHA`` shared among the
+    ``ranks_tested`` (Bonferroni: 1% for one process, 0.125% per rank for eight)."""
+    if change is None or change.excess < min_slowdown or change.after - change.before < min_impact_us:
+        return None
+    alpha = _HISTORY_ALPHA / max(1, ranks_tested)
+    if change.p >= alpha:
+        return None
+    return {
+        "rule": HISTORY_RULE,
+        "earlier_steps": list(change.earlier_steps),
+        "later_steps": list(change.later_steps),
+        "later_ms": change.after / 1000,
+        "earlier_ms": change.before / 1000,
+        "p_value": change.p,
+        "alpha": alpha,
+        "impact_ms": (change.after - change.before) / 1000,
+    }
 
 
 def attribute_host(
@@ -458,7 +470,7 @@ def _busy_comparison(
     if own is None:
         return None
     rule = suspect.evidence.get("rule", "")
-    if rule == "later steps against the rank's own earlier steps":
+    if rule == HISTORY_RULE:
         (a, b), (c, d) = suspect.evidence["earlier_steps"], suspect.evidence["later_steps"]
 
         def halves(per_step: dict[int, float]) -> tuple[list[float], list[float]]:
@@ -467,13 +479,14 @@ def _busy_comparison(
         before, after = halves(own.busy_per_step)
         if min(len(before), len(after)) < _BUSY_MIN_STEPS:
             return None
+        # trimmed means, as the rule that named it (``compare.later_half_change``)
         queue_before, queue_after = halves(own.enqueue_per_step)
         host = None
         if queue_before and queue_after:
-            host = statistics.median(queue_after) / statistics.median(queue_before) - 1.0
+            host = trimmed_mean(queue_after) / trimmed_mean(queue_before) - 1.0
         span_before, span_after = halves(own.span_per_step)
-        span = statistics.median(span_after) / statistics.median(span_before) - 1.0
-        base, value = statistics.median(before), statistics.median(after)
+        span = trimmed_mean(span_after) / trimmed_mean(span_before) - 1.0
+        base, value = trimmed_mean(before), trimmed_mean(after)
         return _BusyComparison(value / base - 1.0, host, "its own earlier steps", value, base, span)
     if suspect.evidence.get("across_stages"):
         # A typical layer (the sum of the parts' medians), as the per-step rule compares: time slicing with

@@ -36,14 +36,15 @@ the time its peers spend on the *same* work, after taking the waiting out:
   halves, a rank-sum test), for what no peer can show: a lone stage without layer spans, or every rank at once;
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
-  ``data-wait``, which also held Lightning's per-step work and named host slowness "data");
+  ``data-wait``, which also held Lightning's per-step work and named host slowness "data"); and, as compute,
+  each rank against its own earlier steps (a loader that turned slow during the run; one process has no peer);
 * **busy, not idle**: where GPU traces carry busy time (``busy_us``, ``scan.busy``), a compute suspect stays
   ``compute`` only if its kernel time grew too (``compute_rules.attribute_busy``); an excess of idle GPU time is
   ``host`` where its host queued the work slower, and otherwise dropped with a note;
 * **host inside steps**: on GPUs without busy time, a compute suspect whose GPU reached most spans as soon as the
   host queued them (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
 * **host**: the same rule on the host's gaps between steps (``host-gap``: Lightning's per-step work, logging,
-  callbacks): a rank whose host is slow (CPU contention) ends them late.
+  callbacks): a rank whose host is slow (CPU contention) ends them late; and against its own earlier steps.
 
 A member is flagged when its excess over the peers' healthy level is at least ``min_slowdown`` *and* its log
 ratio to that level is at least ``min_z`` standard errors (timing noise is multiplicative; few or noisy samples
@@ -76,6 +77,7 @@ from typing import Optional, Union
 
 from lightning_megatron.scan.compare import (
     compare_with_peers,
+    later_half_change,
     levels_of,
     lower_half_bias,
     lower_half_median,
@@ -83,10 +85,12 @@ from lightning_megatron.scan.compare import (
     pooled_sigma,
 )
 from lightning_megatron.scan.compute_rules import (
+    MIN_STEPS,
     attribute_busy,
     attribute_host,
     compute_suspects,
     flagged,
+    history_evidence,
     make_suspect,
     own_history_suspects,
     peer_groups,
@@ -186,8 +190,9 @@ def detect(
     suspects = attribute_host(suspects, host_pacing(traces), traces, min_slowdown, notes)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us, notes)
-    suspects += _data_suspects(traces, per_rank, data_waits(traces), min_slowdown, min_z, min_impact_us)
-    suspects += _data_suspects(traces, per_rank, data_waits(traces, "host"), min_slowdown, min_z, min_impact_us, "host")
+    for kind, waits in (("data", data_waits(traces)), ("host", data_waits(traces, "host"))):
+        suspects += _data_suspects(traces, per_rank, waits, min_slowdown, min_z, min_impact_us, kind)
+        suspects += _history_suspects(traces, per_rank, waits, suspects, min_slowdown, min_impact_us, kind)
     suspects = _fold_consequences(suspects)
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
 
@@ -383,6 +388,34 @@ def _data_suspects(
             }
             suspects.append(make_suspect(traces[rank], kind, c.excess, evidence))
     return suspects
+
+
+def _history_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    waits: DataWaits,
+    suspects: list[Suspect],
+    min_slowdown: float,
+    min_impact_us: float,
+    kind: str,
+) -> list[Suspect]:
+    """Ranks not yet named ``kind`` whose fetches (``kind="data"``) or host gaps (``"host"``) took longer in their
+    later steps than in their own earlier ones (the compute rule against itself, ``HISTORY_RULE``): a loader or
+    host that turned slow during the run. The peer rule cannot see that: one process has no peer, and a change
+    in half of the steps does not make a rank slower than its peers in most of them."""
+    named = {s.rank for s in suspects if s.kind == kind}
+    found = []
+    for rank in sorted(waits.samples):
+        if rank in named:
+            continue
+        per_step = dict(zip(waits.ends[rank], waits.samples[rank]))  # both filled step by step, in one order
+        change = later_half_change(per_step, MIN_STEPS)
+        evidence = history_evidence(change, min_slowdown, min_impact_us, len(waits.samples))
+        if evidence is None:
+            continue
+        evidence.update(late_ms=None, step_ms=per_rank[rank].step_ms)  # against itself: lateness not measured
+        found.append(make_suspect(traces[rank], kind, change.excess, evidence))
+    return found
 
 
 def _lateness(rank: int, members: Sequence[int], ends: dict[int, dict[int, float]]) -> float:

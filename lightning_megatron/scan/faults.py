@@ -14,6 +14,9 @@ way real machines are, and leave it to the job to feel it (or not):
 
 A slow link is ``scan.inject.LinkDelayInjector`` (inside the transport, as a slow wire is).
 
+Both can begin mid-fit (``CompetingProcess(start_step=...)``, ``SlowDataset(after_reads=...)``): a machine that
+turns slow during a run, which a rank alone in its job can only show against its own earlier steps.
+
 The competing processes start at fit start, which returns only once each of them is competing (a spawned
 process spends seconds importing torch and making a CUDA context: a short fit would otherwise end before the
 fault began; the first GPU evaluation was measured so), and stop at fit end, on exception and at teardown
@@ -95,7 +98,8 @@ class CompetingProcess(pl.Callback):
     ``processes``: competing processes per rank (``cpu``: default one per CPU of the rank's affinity set, at most
     4). ``size``: the GPU burner's matrix size (larger: longer kernels, coarser time slices). ``keep_alive``: the
     processes only pause at fit end and compete again in the next fit this callback is part of (start-up is paid
-    once: an evaluation of many short fits); :meth:`close` ends them."""
+    once: an evaluation of many short fits); :meth:`close` ends them. ``start_step``: they are started (and ready)
+    at fit start but compete only from this global step on (0: from the first step)."""
 
     def __init__(
         self,
@@ -106,6 +110,7 @@ class CompetingProcess(pl.Callback):
         processes: Optional[int] = None,
         size: int = 4096,
         keep_alive: bool = False,
+        start_step: int = 0,
     ) -> None:
         if kind not in ("gpu", "cpu"):
             raise MegatronConfigError(f"CompetingProcess(kind={kind!r}): choose 'gpu' or 'cpu'.")
@@ -113,7 +118,10 @@ class CompetingProcess(pl.Callback):
             raise MegatronConfigError(f"CompetingProcess(on_s={on_s}, off_s={off_s}): need on_s > 0 and off_s >= 0.")
         if processes is not None and processes < 1:
             raise MegatronConfigError(f"CompetingProcess(processes={processes}): at least 1, or None.")
+        if start_step < 0:
+            raise MegatronConfigError(f"CompetingProcess(start_step={start_step}): a global step >= 0.")
         self.ranks, self.kind, self.on_s, self.off_s = list(ranks), kind, on_s, off_s
+        self.start_step = start_step
         self.processes, self.size, self.keep_alive = processes, size, keep_alive
         self._children: list[Any] = []
         self._stop: Any = None
@@ -124,11 +132,11 @@ class CompetingProcess(pl.Callback):
         if rank not in self.ranks:
             return
         if self._children:  # kept alive from an earlier fit
-            self._active.set()
+            self._compete_from(trainer.global_step)
             return
         ctx = mp.get_context("spawn")
         self._stop, self._active = ctx.Event(), ctx.Event()
-        self._active.set()
+        self._active.set()  # ready means competing: each child signals after its first piece of work
         if self.kind == "gpu":
             device = trainer.strategy.root_device
             if device.type != "cuda":
@@ -158,6 +166,18 @@ class CompetingProcess(pl.Callback):
                         f"CompetingProcess(kind={self.kind!r}): a competing process did not start within "
                         f"{READY_TIMEOUT_S:.0f} s (exit code {child.exitcode})."
                     )
+        self._compete_from(trainer.global_step)
+
+    def _compete_from(self, step: int) -> None:
+        """Compete at ``step`` if it is ``start_step`` or later, else pause until then."""
+        if step >= self.start_step:
+            self._active.set()
+        else:
+            self._active.clear()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self._active is not None and not self._active.is_set() and trainer.global_step >= self.start_step:
+            self._active.set()
 
     def close(self) -> None:
         """End the competing processes (set stop; terminate, then kill, what does not end)."""
@@ -193,17 +213,25 @@ class CompetingProcess(pl.Callback):
 
 
 class SlowDataset(torch.utils.data.Dataset):
-    """``dataset`` whose samples take ``delay_ms`` longer to read on the ranks ``ranks`` (a slow file system)."""
+    """``dataset`` whose samples take ``delay_ms`` longer to read on the ranks ``ranks`` (a slow file system),
+    from this process's ``after_reads``-th read on (0: from the first; reads are counted per process, so with
+    ``num_workers=0`` they follow the steps: a rank reads its batch's samples each step)."""
 
-    def __init__(self, dataset: Any, delay_ms: float, ranks: Sequence[int]) -> None:
-        if delay_ms < 0:
-            raise MegatronConfigError(f"SlowDataset(delay_ms={delay_ms}): need >= 0.")
+    def __init__(self, dataset: Any, delay_ms: float, ranks: Sequence[int], after_reads: int = 0) -> None:
+        if delay_ms < 0 or after_reads < 0:
+            raise MegatronConfigError(f"SlowDataset(delay_ms={delay_ms}, after_reads={after_reads}): need both >= 0.")
         self.dataset, self.delay_s, self.ranks = dataset, delay_ms / 1000.0, set(ranks)
+        self.after_reads, self.reads = after_reads, 0
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        if self.delay_s and (dist.get_rank() if dist.is_initialized() else 0) in self.ranks:
+        self.reads += 1
+        if (
+            self.delay_s
+            and self.reads > self.after_reads
+            and (dist.get_rank() if dist.is_initialized() else 0) in self.ranks
+        ):
             time.sleep(self.delay_s)
         return self.dataset[index]

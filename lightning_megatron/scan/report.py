@@ -171,7 +171,13 @@ def _evidence_text(suspect: Suspect) -> str:
             f"{e['direction']} {suspect.rank}->{suspect.peer}: {e['median_us_per_mb']:.1f} us/MB vs "
             f"{e['baseline_us_per_mb']:.1f} us/MB on {e['link_class']} links"
         )
-    if "median_ms" in e and "baseline_ms" in e:
+    if "later_ms" in e:  # against its own earlier steps
+        text = (
+            f"{e['rule']} ({e['later_steps'][0]}-{e['later_steps'][1]} against {e['earlier_steps'][0]}-"
+            f"{e['earlier_steps'][1]}): {e['later_ms']:.2f} ms vs {e['earlier_ms']:.2f} ms per step "
+            f"(10%-trimmed means, p={e['p_value']:.2g})"
+        )
+    elif "median_ms" in e and "baseline_ms" in e:
         if suspect.kind == "data" or "late_ms" in e:
             text = f"data-wait {e['median_ms']:.2f} ms vs peers {e['baseline_ms']:.2f} ms per step"
         elif "rule" in e:

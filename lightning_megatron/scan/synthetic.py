@@ -378,7 +378,8 @@ def generate_traces(
     much longer through gaps between its kernels while its GPU still runs behind a queue at each span's start
     (a host that sleeps between launches inside the spans: the queue fields alone cannot tell); ``gpu_busy`` writes
     ``busy_us`` (module docstring);
-    ``slow_data`` {rank: data-wait factor}, ``slow_host`` {rank: factor of the host's gap between steps}; ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
+    ``slow_data`` {rank: data-wait factor}, ``slow_host`` {rank: factor of the host's gap between steps} (both
+    from ``slow_from_step`` on); ``clock_offsets_us`` {rank: offset} sets clocks (local = true − offset; ranks not
     given get 0); by default every rank but 0 gets a random offset within ±50 ms. ``truncate_ranks`` are cut in
     the middle of a line (as by a crash); ``missing_ranks`` are not written at all.
 
@@ -429,12 +430,12 @@ def generate_traces(
         for rank in range(world):  # the host's work between two steps (Lightning's hooks, logging)
             if step > 0:
                 gap = STEP_GAP_US * max(0.5, 1.0 + jitter * host_rng.gauss(0.0, 1.0))
-                gap_end = now[rank] + gap * slow_host.get(rank, 1.0)
+                gap_end = now[rank] + gap * (slow_host.get(rank, 1.0) if step >= slow_from_step else 1.0)
                 sim.x(rank, "host-gap", "host", TID["host"], now[rank], gap_end, {"step": step})
                 now[rank] = gap_end
         step_start = list(now)
         for rank in range(world):
-            end = now[rank] + sim.jit(DATA_WAIT_US) * slow_data.get(rank, 1.0)
+            end = now[rank] + sim.jit(DATA_WAIT_US) * (slow_data.get(rank, 1.0) if step >= slow_from_step else 1.0)
             sim.x(rank, "data-wait", "data", TID["host"], now[rank], end, {"step": step})
             now[rank] = end
         for d in range(dp):
