@@ -136,7 +136,7 @@ class CompetingProcess(pl.Callback):
             return
         ctx = mp.get_context("spawn")
         self._stop, self._active = ctx.Event(), ctx.Event()
-        self._active.set()  # ready means competing: each child signals after its first piece of work
+        self._active.set()  # each child signals ready after its first piece of work; start_step pauses them below
         if self.kind == "gpu":
             device = trainer.strategy.root_device
             if device.type != "cuda":
