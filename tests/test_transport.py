@@ -32,10 +32,11 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.transport import available_transports, create_transport
 from lightning_megatron.transport import header as hdr
 
-TRANSPORTS = ["torch", "shm", "tcp", "rdma", "ucx", "shm+delay"]
-OPTIONAL = {"ucx"}  # listed by available_transports() only where its extra is installed
+TRANSPORTS = ["torch", "shm", "tcp", "rdma", "ucx", "shm+delay", "ucx+pull"]
+OPTIONAL = {"ucx": "ucx", "ucx+pull": "ucx"}  # listed by available_transports() only where its extra is installed
 MODULES = {name: f"lightning_megatron.transport.{'torch_p2p' if name == 'torch' else name}" for name in TRANSPORTS}
 MODULES["shm+delay"] = "lightning_megatron.transport.delay"  # shm behind link jitter (transport_cases.JitteryShm)
+MODULES["ucx+pull"] = "lightning_megatron.transport.ucx"  # ucx's GPU receive path on host memory (tc.UcxPulls)
 MiB = 1 << 20
 
 _reasons: dict[str, Optional[str]] = {}
@@ -46,8 +47,8 @@ def require(name: str, ranks: Any) -> None:
     extra is not installed."""
     if importlib.util.find_spec(MODULES[name]) is None:
         pytest.skip(f"TEMPORARY: {MODULES[name]} does not exist yet (native transports in progress)")
-    if name in OPTIONAL and name not in available_transports():
-        pytest.skip(f"{name} is not installed here: pip install 'lightning-megatron[{name}]'")
+    if name in OPTIONAL and OPTIONAL[name] not in available_transports():
+        pytest.skip(f"{name} is not installed here: pip install 'lightning-megatron[{OPTIONAL[name]}]'")
     if name == "rdma":
         if name not in _reasons:
             _reasons[name] = next((r for r in ranks.run(2, tc.probe, name, timeout=60) if r), None)
@@ -171,7 +172,7 @@ def test_peer_death(transport: str, tmp_path: Path) -> None:
 
 
 def test_unknown_transport_name() -> None:
-    assert set(TRANSPORTS) - OPTIONAL <= set(available_transports())
+    assert set(TRANSPORTS) - set(OPTIONAL) <= set(available_transports())
     with pytest.raises(MegatronConfigError, match="carrier-pigeon.*choose one of.*torch"):
         create_transport("carrier-pigeon")
 

@@ -33,6 +33,7 @@ from lightning_megatron.transport import (
     transport_class,
 )
 from lightning_megatron.transport.header import DTYPE_CODES
+from lightning_megatron.transport.ucx import UcxTransport
 
 MiB = 1 << 20
 
@@ -49,6 +50,19 @@ class JitteryShm(DelayedTransport):
 
 
 register_transport("shm+delay", JitteryShm)  # imported by the test module before the ranks fork: they have it too
+
+
+class UcxPulls(UcxTransport):
+    """``ucx`` with its GPU receive path driven on host memory (``_emulate_device_path``): every message UCX
+    delivers by rendezvous is kept by the engine and pulled when taken, with the take-ahead across tags
+    (registered as ``ucx+pull``): the conformance suite checks the contract on the path GPU tensors take."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._emulate_device_path()
+
+
+register_transport("ucx+pull", UcxPulls)
 
 
 def init() -> tuple[int, int]:
