@@ -20,9 +20,10 @@ between 0 and 1:
   step (``scan.inject.LinkDelayInjector``).
 
 ``single`` is one process on one GPU (CUDA graphs replayed by default there, and traced so): no peer to compare
-with, so its faults begin halfway through the traced steps (``onset_step``: ``CompetingProcess(start_step=...)``,
-``SlowDataset(after_reads=...)``), a machine that turns slow during a run, which only the rank's own earlier steps
-can show. Use at least 34 steps (16 analysed steps on each side of the onset, what that rule needs).
+with, so its faults begin during the run, ``--onset`` of the way through the traced steps (default halfway;
+``onset_step``: ``CompetingProcess(start_step=...)``, ``SlowDataset(after_reads=...)``), a machine that turns slow
+during a run, which only the rank's own earlier steps can show. Use at least 34 steps (16 analysed steps on
+each side of a halfway onset).
 
 Scoring (``score``): a fault *slows the job* when its median step time (from one step's end to the next, the
 fetch included) is ≥ 10% above the clean runs'. For those, recall is the fraction of runs naming the faulted rank
@@ -308,6 +309,12 @@ def main() -> int:
     parser.add_argument("--layouts", nargs="*", default=[n for n in LAYOUTS if n not in DEVICES], choices=list(LAYOUTS))
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium")
     parser.add_argument("--cpu", action="store_true", help="gloo processes and a tiny model (no GPU faults)")
+    parser.add_argument(
+        "--onset",
+        type=float,
+        default=0.5,
+        help="single: the faults begin this fraction of the way through the traced steps",
+    )
     parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
     parser.add_argument(
         "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
@@ -371,9 +378,12 @@ def main() -> int:
         for k, name in enumerate(args.layouts):
             layout, devices = LAYOUTS[name], DEVICES.get(name, 2)
             dp = devices if not layout else 1
-            onset = TRACED_FROM + (args.steps - TRACED_FROM) // 2 if devices == 1 else 0
-            if devices == 1 and args.steps - onset < 16:
-                parser.error(f"--layouts single: --steps {args.steps} leaves under 16 steps after the onset; use >= 34")
+            onset = TRACED_FROM + round((args.steps - TRACED_FROM) * args.onset) if devices == 1 else 0
+            if devices == 1 and min(onset - TRACED_FROM, args.steps - onset) < 8:
+                parser.error(
+                    f"--layouts single: --steps {args.steps} with --onset {args.onset} leaves under 8 traced steps "
+                    "before or after the onset; use more steps or an onset nearer 0.5"
+                )
             spec = {
                 **base,
                 "devices": devices,

@@ -43,12 +43,26 @@ sys.path.insert(0, str(ROOT))
 
 # "small" is launch-bound on an H200 (a 4 ms forward is about as long as the host takes to enqueue it): the
 # worst case for the tracer's per-span cost, and a regime where a slower GPU barely slows the step. "medium"
-# keeps the GPU busy, as training at scale does.
+# keeps the GPU busy, as training at scale does. "llama" is "medium" Llama-style (rotary embeddings, RMSNorm,
+# SwiGLU, no biases, 4 query groups): other kernels, and other spans between them, than the GPT-2-style ones.
 GPU_MODELS = {
     "small": dict(vocab_size=32000, seq_length=1024, num_layers=8, hidden_size=1024, num_attention_heads=16),
     "medium": dict(vocab_size=32000, seq_length=2048, num_layers=16, hidden_size=2048, num_attention_heads=16),
+    "llama": dict(
+        vocab_size=32000,
+        seq_length=2048,
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=5632,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        activation="swiglu",
+        add_bias_linear=False,
+    ),
 }
-MICRO_BATCH = {"small": 4, "medium": 2}
+MICRO_BATCH = {"small": 4, "medium": 2, "llama": 2}
 CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, num_attention_heads=4)
 FACTORS = [1.1, 1.2, 1.5]
 OVERHEAD_CASES = (  # the *_default_graphs ones on one GPU only

@@ -387,9 +387,9 @@ def test_signed_rank_test() -> None:
 
 
 def test_tests_against_a_rank_own_history() -> None:
-    """The two tests of ``later_half_change``: the rank sum finds a shift of every later step; the exceedance
+    """The two tests of ``later_steps_change``: the rank sum finds a shift of every later step; the exceedance
     test finds some later steps far above every earlier one (bursts), exactly calibrated under the null."""
-    from lightning_megatron.scan.compare import exceedance_p, later_half_change
+    from lightning_megatron.scan.compare import exceedance_p, later_steps_change
 
     assert exceedance_p([5.0, 6.0, 0.5], [1.0, 2.0]) == pytest.approx(math.comb(3, 2) / math.comb(5, 2))
     assert exceedance_p([0.5], [1.0]) == 1.0 and exceedance_p([], [1.0]) == 1.0
@@ -398,9 +398,9 @@ def test_tests_against_a_rank_own_history() -> None:
     assert sum(p < 0.05 for p in null) / len(null) < 0.05  # discrete: at most its level under the null
     earlier = [100 + rng.gauss(0, 2) for _ in range(16)]
     burst = [100 + rng.gauss(0, 2) + (80 if i % 2 else 0) for i in range(16)]  # every other step +80 %
-    change = later_half_change(dict(enumerate(earlier + burst)), 8)
+    change = later_steps_change(dict(enumerate(earlier + burst)), 8)
     assert change is not None and change.p < 0.01 and 0.3 < change.excess < 0.5, change  # 8 of 16 above all: 0.0024
-    assert later_half_change(dict(enumerate(earlier)), 9) is None  # fewer than 2 x 9 steps
+    assert later_steps_change(dict(enumerate(earlier)), 9) is None  # fewer than 2 x 9 steps
 
 
 PARTIAL_LAYOUTS = {"dp2": dict(dp=2, pp=1, tp=1), "tp2-pp2": dict(dp=1, pp=2, tp=2), "dp4": dict(dp=4, pp=1, tp=1)}
@@ -526,9 +526,10 @@ def test_a_rank_that_slows_down_during_the_run_against_itself(tmp_path: Path, ca
 def test_one_process_whose_gpu_is_hit_by_bursts_from_halfway(tmp_path: Path) -> None:
     """One process, a competitor on its GPU from the middle of the run that slows every other step or so (the
     bursty competitor of ``benchmarks/megascan_eval.py``): the later steps' median barely moves; the trimmed
-    mean and the exceedance test see it. Found in at least 8 of 10 seeds; clean runs name nothing."""
+    mean and the exceedance test see it. Found in at least 15 of 20 seeds (16 when written; the halves alone
+    found 19, the three splits pay a little at the middle for much more range); clean runs name nothing."""
     found = 0
-    for seed in range(10):
+    for seed in range(20):
         report, _ = run(
             tmp_path,
             f"burst-{seed}",
@@ -546,7 +547,7 @@ def test_one_process_whose_gpu_is_hit_by_bursts_from_halfway(tmp_path: Path) -> 
         found += [(s.rank, s.kind) for s in report.suspects] == [(0, "compute")]
         clean, _ = run(tmp_path, f"clean-{seed}", dp=1, pp=1, tp=1, steps=34, gpu_busy=True, gpu_queue=True, seed=seed)
         assert clean.suspects == [], clean.table()
-    assert found >= 8
+    assert found >= 15
 
 
 @pytest.mark.parametrize("fault", ["data", "host", "clean", "data-with-a-peer"])

@@ -26,11 +26,12 @@ decides which comparisons name a suspect).
   members share in a step (its data, a slow collective) cancels; rank-based, so one burst, however large, weighs
   as one step; and it uses the size of the differences, so a slowdown that hits 40 % of the steps hard is found
   where a sign test would need far more steps. ``trimmed_mean`` gives the size of such an excess;
-* against itself, ``later_half_change`` compares a member's later steps with its own earlier ones: a change
-  during the run, where there is no peer to compare with. Unpaired, by two tests: ``rank_sum_p`` (a shift of
-  all the later steps) and ``exceedance_p`` (some of them far above every earlier step: bursts, which hit one
-  step in two and leave the rank sum short of significance), Bonferroni over the two; sizes as 10 %-trimmed
-  means, which a slowdown in part of the later steps moves by that part's share, where a median need not move.
+* against itself, ``later_steps_change`` compares a member's later steps with its own earlier ones (split at a
+  third, half and two thirds of the way): a change during the run, where there is no peer to compare with.
+  Unpaired, by two tests: ``rank_sum_p`` (a shift of all the later steps) and ``exceedance_p`` (some of them
+  far above every earlier step: bursts, which hit one step in two and leave the rank sum short of
+  significance), Bonferroni over the tests and splits; sizes as 10 %-trimmed means, which a slowdown in part
+  of the later steps moves by that part's share, where a median need not move.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ __all__ = [
     "Level",
     "compare_with_peers",
     "exceedance_p",
-    "later_half_change",
+    "later_steps_change",
     "levels_of",
     "lower_half_bias",
     "lower_half_median",
@@ -375,26 +376,37 @@ class HistoryChange:
     p: float
 
 
-def later_half_change(per_step: dict[int, float], min_steps: int) -> Optional[HistoryChange]:
-    """The steps split into an earlier and a later half (the middle one left out when odd), each of at least
-    ``min_steps``, compared by their 10 %-trimmed means; ``p`` is twice the smaller of ``rank_sum_p`` and
-    ``exceedance_p`` (see the module docstring); None with fewer steps or a zero baseline. (On steps that a
-    burst hits one in two, the later half's median sits on the edge between hit and spared steps and may show
-    nothing; the trimmed mean shows half the burst's size.)"""
+def later_steps_change(per_step: dict[int, float], min_steps: int) -> Optional[HistoryChange]:
+    """Whether the later steps are slower than the earlier ones, the steps split at a third, half and two thirds
+    of the way (the splits leaving at least ``min_steps`` on each side; None if not even the halves do): each
+    split compared by 10 %-trimmed means, its ``p`` twice the smaller of ``rank_sum_p`` and ``exceedance_p``
+    (see the module docstring), times the number of splits (Bonferroni); the split with the smallest ``p`` is
+    returned. The halves alone see a change near the middle of the steps only; a third either way moves the
+    range where one is found (synthetic, 34 steps, 1.8x from the onset: found in 18-20 of 20 seeds from onset 8
+    to 29, against 8-20 with halves alone). A zero baseline returns None. (On steps that a burst hits one in
+    two, the later steps' median sits on the edge between hit and spared steps and may show nothing; the
+    trimmed mean shows half the burst's size.)"""
     steps = sorted(per_step)
-    half = len(steps) // 2
-    if half < min_steps:
+    n = len(steps)
+    if n // 2 < min_steps:
         return None
-    earlier = [per_step[s] for s in steps[:half]]
-    later = [per_step[s] for s in steps[-half:]]
-    before, after = trimmed_mean(earlier), trimmed_mean(later)
-    if before <= 0:
-        return None
-    return HistoryChange(
-        earlier_steps=(steps[0], steps[half - 1]),
-        later_steps=(steps[-half], steps[-1]),
-        before=before,
-        after=after,
-        excess=after / before - 1.0,
-        p=min(1.0, 2.0 * min(rank_sum_p(later, earlier), exceedance_p(later, earlier))),
-    )
+    cuts = sorted({c for c in (round(n / 3), n // 2, round(2 * n / 3)) if min(c, n - c) >= min_steps})
+    best: Optional[HistoryChange] = None
+    for cut in cuts:
+        earlier = [per_step[s] for s in steps[:cut]]
+        later = [per_step[s] for s in steps[cut:]]
+        before, after = trimmed_mean(earlier), trimmed_mean(later)
+        if before <= 0:
+            return None
+        p = min(1.0, 2.0 * len(cuts) * min(rank_sum_p(later, earlier), exceedance_p(later, earlier)))
+        change = HistoryChange(
+            earlier_steps=(steps[0], steps[cut - 1]),
+            later_steps=(steps[cut], steps[-1]),
+            before=before,
+            after=after,
+            excess=after / before - 1.0,
+            p=p,
+        )
+        if best is None or (change.p, -change.excess) < (best.p, -best.excess):
+            best = change
+    return best

@@ -9,7 +9,7 @@ suspects out; statistics come from ``scan.compare``. Four rules, each for what t
   test over steps; finds partial and bursty slowdowns that per-op medians do not move;
 * **across stages**: ranks alone in their stage, on transformer layer parts (``scan.stage_rules``);
 * **against itself** (``own_history_suspects``): a rank's later steps against its own earlier ones (the
-  analysed steps split in halves), for what no peer can show: a lone stage without layer spans, or every
+  analysed steps split at a third, half or two thirds), for what no peer can show: a lone stage without layer spans, or every
   rank at once. It names a change within the analysed steps, not a rank that was slow from the start.
 
 Then the attribution: a compute suspect is a slow GPU only if its GPU's *kernels* took longer. Where the trace
@@ -34,7 +34,7 @@ from lightning_megatron.scan.compare import (
     HistoryChange,
     Level,
     compare_with_peers,
-    later_half_change,
+    later_steps_change,
     levels_of,
     lower_half_median,
     pooled_sigma,
@@ -244,9 +244,10 @@ def own_history_suspects(
 ) -> list[Suspect]:
     """Ranks whose later steps are slower than their own earlier ones (module docstring); returns new suspects.
 
-    The analysed steps of identical work (equal span counts) are split into an earlier and a later half, each of
-    at least ``MIN_STEPS``; a rank is named when its later half is slower by ``min_slowdown`` (medians) and
-    ``min_impact`` per step, with a one-sided rank-sum test p < 0.001. Ranks already named are left out."""
+    The analysed steps of identical work (equal span counts) are split into earlier and later steps, each side
+    at least ``MIN_STEPS`` (``compare.later_steps_change``); a rank is named when its later steps are slower by
+    ``min_slowdown`` (10 %-trimmed means) and ``min_impact`` per step at p below ``_HISTORY_ALPHA`` shared among
+    the ranks (``history_evidence``). Ranks already named are left out."""
     named = {s.rank for s in suspects}
     found = []
     for rank, per_step in sorted(totals.items()):
@@ -255,7 +256,7 @@ def own_history_suspects(
         steps = [s for s, t in per_step.items() if t.spans and t.compute_us > 0]
         if len({per_step[s].spans for s in steps}) != 1:
             continue
-        change = later_half_change({s: per_step[s].compute_us for s in steps}, MIN_STEPS)
+        change = later_steps_change({s: per_step[s].compute_us for s in steps}, MIN_STEPS)
         evidence = history_evidence(change, min_slowdown, min_impact_us, len(totals))
         if evidence is not None:
             evidence["step_ms"] = per_rank[rank].step_ms
@@ -479,7 +480,7 @@ def _busy_comparison(
         before, after = halves(own.busy_per_step)
         if min(len(before), len(after)) < _BUSY_MIN_STEPS:
             return None
-        # trimmed means, as the rule that named it (``compare.later_half_change``)
+        # trimmed means, as the rule that named it (``compare.later_steps_change``)
         queue_before, queue_after = halves(own.enqueue_per_step)
         host = None
         if queue_before and queue_after:

@@ -32,8 +32,9 @@ the time its peers spend on the *same* work, after taking the waiting out:
   and the trace has layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and
   backward) are the same work on every stage: those ranks are compared on them, per part and per step (a
   typical layer), on the spans their GPU paced;
-* **compute against itself**: a rank's later steps against its own earlier ones (the analysed steps split in
-  halves, a rank-sum test), for what no peer can show: a lone stage without layer spans, or every rank at once;
+* **compute against itself**: a rank's later steps against its own earlier ones (the analysed steps split at a
+  third, half or two thirds; a rank-sum and an exceedance test), for what no peer can show: a lone stage without
+  layer spans, or every rank at once;
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
   ``data-wait``, which also held Lightning's per-step work and named host slowness "data"); and, as compute,
@@ -77,7 +78,7 @@ from typing import Optional, Union
 
 from lightning_megatron.scan.compare import (
     compare_with_peers,
-    later_half_change,
+    later_steps_change,
     levels_of,
     lower_half_bias,
     lower_half_median,
@@ -409,7 +410,7 @@ def _history_suspects(
         if rank in named:
             continue
         per_step = dict(zip(waits.ends[rank], waits.samples[rank]))  # both filled step by step, in one order
-        change = later_half_change(per_step, MIN_STEPS)
+        change = later_steps_change(per_step, MIN_STEPS)
         evidence = history_evidence(change, min_slowdown, min_impact_us, len(waits.samples))
         if evidence is None:
             continue
