@@ -48,20 +48,16 @@ sys.path.insert(0, str(ROOT))
 GPU_MODELS = {
     "small": dict(vocab_size=32000, seq_length=1024, num_layers=8, hidden_size=1024, num_attention_heads=16),
     "medium": dict(vocab_size=32000, seq_length=2048, num_layers=16, hidden_size=2048, num_attention_heads=16),
-    "llama": dict(
-        vocab_size=32000,
-        seq_length=2048,
-        num_layers=16,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_query_groups=4,
-        ffn_hidden_size=5632,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        activation="swiglu",
-        add_bias_linear=False,
-    ),
 }
+GPU_MODELS["llama"] = dict(
+    GPU_MODELS["medium"],
+    num_query_groups=4,
+    ffn_hidden_size=5632,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+)
 MICRO_BATCH = {"small": 4, "medium": 2, "llama": 2}
 CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, num_attention_heads=4)
 FACTORS = [1.1, 1.2, 1.5]
