@@ -21,12 +21,15 @@ over its rounds (each round kept under ``rounds``), and ``ratios_to_<baseline>``
 
 ``--fusion-ab``: the strategy runners alternate blocks of two steps without and with
 ``gradient_accumulation_fusion`` in one fit (the weight-gradient GEMM accumulating into fp32 ``main_grad``), so
-the two are compared on one model in one launch; both medians and the speed-up are reported.
+the two are compared on one model in one launch; both medians and the speed-up are reported. Eager steps only
+(``{"cuda_graphs": false, "gradient_accumulation_fusion": false}`` in ``--strategy-options``): a graph keeps the
+layers it was captured with; for graphed steps compare two ``--variants``.
 
 Runners:
 * ``strategy-<spec>``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule(layer_spec=<spec>)``, with
-  the defaults: on one GPU the step replayed as a CUDA graph, and with it the fused norms and bias gradients
-  (``cuda_graphs=False`` in ``--strategy-options`` for the eager step).
+  the defaults: on one GPU the step replayed as a CUDA graph, and with it the fused norms and bias gradients and
+  the weight-gradient GEMM accumulating into ``main_grad`` (``cuda_graphs=False`` in ``--strategy-options`` for
+  the eager step).
 * ``mcore-<spec>``: the same model in a hand-written megatron-core loop (``get_forward_backward_func`` +
   megatron-core DDP + megatron-core optimizer), the baseline the strategy must match (≥ 0.98×).
 * ``hf``: ``transformers``' own model (``GPT2LMHeadModel``, or ``LlamaForCausalLM`` for the Llama shape) with SDPA
@@ -46,16 +49,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
+from throughput_runners import MEASURED, WARMUP, is_llama, worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -121,46 +123,6 @@ DRY_RUN_LLAMA = dict(
     layouts={"1gpu": (1, 1, 1)},
 )
 RUNNERS = ["strategy-local", "strategy-sdpa", "mcore-local", "mcore-sdpa", "hf", "hf-bf16"]
-WARMUP, MEASURED = 5, 10
-PROFILED = 2  # extra steps after the measured ones, under torch.profiler, with --profile
-
-
-class StepProfiler:
-    """Profiles the steps after the measured ones (so profiling never slows a measured step) on rank 0."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.enabled = bool(spec.get("profile")) and int(os.environ.get("RANK", 0)) == 0
-        self.path = Path(spec["result_dir"], "profile.txt")
-        self.profiler: Any = None
-        self.first = self.total_steps(spec) - PROFILED  # the profiled steps come after every measured one
-
-    @staticmethod
-    def total_steps(spec: dict[str, Any]) -> int:
-        measured = 2 * MEASURED if spec.get("fusion_ab") else MEASURED  # A/B: both variants get MEASURED steps
-        return WARMUP + measured + (PROFILED if spec.get("profile") else 0)
-
-    def step_started(self, step: int) -> None:
-        if self.enabled and step == self.first:
-            import torch
-
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
-
-    def step_ended(self, step: int) -> None:
-        if self.profiler is not None and step == self.first + PROFILED - 1:
-            _synchronize()
-            self.profiler.__exit__(None, None, None)
-            averages = self.profiler.key_averages()
-            sort = "self_cuda_time_total" if any(e.self_device_time_total for e in averages) else "self_cpu_time_total"
-            host = averages.table(sort_by="self_cpu_time_total", row_limit=25)
-            self.path.write_text(
-                f"{PROFILED} steps, sorted by {sort}\n{averages.table(sort_by=sort, row_limit=60)}\n"
-                f"{PROFILED} steps, sorted by self_cpu_time_total (the host's share)\n{host}"
-            )
-            self.profiler = None
 
 
 def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
@@ -169,333 +131,12 @@ def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
     heads = m["num_attention_heads"]
     groups = m.get("num_query_groups") or heads
     ffn = m.get("ffn_hidden_size") or 4 * h
-    gated = 1.5 if _is_llama(m) else 1.0  # SwiGLU: three ffn-wide GEMMs instead of two
+    gated = 1.5 if is_llama(m) else 1.0  # SwiGLU: three ffn-wide GEMMs instead of two
     vocab = -(-m["vocab_size"] // 128) * 128
     attention = 1 + groups / heads + s / h
     return 12 * global_batch * s * layers * h * h * (attention + ffn / h * gated + vocab / (2 * layers * h))
 
 
-def _is_llama(m: dict[str, Any]) -> bool:
-    return m.get("style") == "llama"
-
-
-def _gpt_module_shape(m: dict[str, Any]) -> dict[str, Any]:
-    """``GPTModule`` arguments for a model shape: GPT-2's (tanh GeLU, LayerNorm, learned positions) or Llama's."""
-    shape = dict(
-        vocab_size=m["vocab_size"],
-        seq_length=m["seq_length"],
-        num_layers=m["num_layers"],
-        hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"],
-    )
-    if _is_llama(m):
-        return shape | dict(
-            num_query_groups=m["num_query_groups"],
-            ffn_hidden_size=m["ffn_hidden_size"],
-            position_embedding_type="rope",
-            normalization="RMSNorm",
-            activation="swiglu",
-            add_bias_linear=False,
-        )
-    return shape | dict(activation="gelu_tanh")  # GPT-2's GeLU (fused with its bias on GPUs, as in the mcore runner)
-
-
-# -- runners (inside the launched processes) -------------------------------------------------------------
-def _synchronize() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _peak_memory_gib() -> float:
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-
-
-def run_strategy(spec: dict[str, Any]) -> list[float]:
-    import lightning.pytorch as pl
-
-    from lightning_megatron import MegatronAppStrategy
-    from lightning_megatron.data import SyntheticTokenDataModule
-    from lightning_megatron.models import GPTModule
-
-    m, (gpus, tp, pp) = spec["model"], spec["layout"]
-    dp = gpus // (tp * pp)
-    gbs = m["micro_batch_size"] * m["num_microbatches"] * dp
-    times: list[float] = []
-    profiler = StepProfiler(spec)
-    steps = StepProfiler.total_steps(spec)
-
-    fused_times: list[float] = []  # --fusion-ab: the steps run with gradient_accumulation_fusion
-    ab = bool(spec.get("fusion_ab"))
-
-    class StepTimer(pl.Callback):
-        fused: Any = None
-
-        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-            if ab:  # after warm-up, blocks of two steps: without, with, without, ... (same model, same launch)
-                from lightning_megatron.pipeline.wgrad import split_linears
-
-                want = trainer.global_step >= WARMUP and (trainer.global_step - WARMUP) // 2 % 2 == 1
-                if want and self.fused is None:
-                    self.fused = split_linears(trainer.strategy.wrapped_chunks)
-                elif not want and self.fused is not None:
-                    self.fused.restore()
-                    self.fused = None
-            _synchronize()
-            profiler.step_started(trainer.global_step)
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            _synchronize()
-            (fused_times if self.fused is not None else times).append(time.perf_counter() - self.start)
-            profiler.step_ended(trainer.global_step - 1)
-
-    timer = StepTimer()
-    trainer = pl.Trainer(
-        accelerator=spec["accelerator"],
-        devices=gpus,
-        precision="bf16-mixed",
-        strategy=MegatronAppStrategy(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            micro_batch_size=m["micro_batch_size"],
-            **(spec.get("strategy_options") or {}),
-        ),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[timer],
-    )
-    model = GPTModule(
-        **_gpt_module_shape(m),
-        layer_spec=spec["runner"].split("-", 1)[1],
-        transformer_config_overrides=spec.get("overrides"),
-        **(spec.get("module_options") or {}),
-        split_invariant_init=False,
-    )
-    data = SyntheticTokenDataModule(
-        vocab_size=m["vocab_size"],
-        seq_length=m["seq_length"],
-        global_batch_size=gbs,
-        num_train_samples=gbs * steps,
-    )
-    trainer.fit(model, data)
-    if ab:  # handed to _worker beside the return value (the other runners have no A/B)
-        spec["fused_step_seconds"] = fused_times[:MEASURED]
-    return times[WARMUP : WARMUP + MEASURED]
-
-
-def run_mcore(spec: dict[str, Any]) -> list[float]:
-    """The hand-written megatron-core loop: what a Megatron user writes without Lightning."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from lightning_megatron.models.gpt import gelu_tanh
-    from lightning_megatron.models.specs import gpt_block_spec
-
-    m, (_, tp, pp) = spec["model"], spec["layout"]
-    on_cpu = spec["accelerator"] == "cpu"
-    if on_cpu:
-        from lightning_megatron.compat import cpu
-
-        cpu.apply()
-    else:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("gloo" if on_cpu else "nccl")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-    config = TransformerConfig(
-        num_layers=m["num_layers"],
-        hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"],
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        attention_softmax_in_fp32=True,
-        use_cpu_initialization=on_cpu,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        batch_p2p_comm=not on_cpu,
-        calculate_per_token_loss=True,
-        deallocate_pipeline_outputs=True,
-        # GPT-2's tanh GeLU (or SwiGLU) fused with its bias, and the fused cross-entropy: what Megatron-LM turns on.
-        bias_activation_fusion=not on_cpu,
-        cross_entropy_loss_fusion=not on_cpu,
-        **(
-            dict(
-                num_query_groups=m["num_query_groups"],
-                ffn_hidden_size=m["ffn_hidden_size"],
-                normalization="RMSNorm",
-                add_bias_linear=False,
-                gated_linear_unit=True,
-                activation_func=torch.nn.functional.silu,
-            )
-            if _is_llama(m)
-            else dict(activation_func=gelu_tanh if on_cpu else torch.nn.functional.gelu)
-        ),
-        **(spec.get("overrides") or {}),
-    )
-    padded_vocab = -(-m["vocab_size"] // 128) * 128
-    model = GPTModel(
-        config,
-        gpt_block_spec(spec["runner"].split("-", 1)[1], config),
-        padded_vocab,
-        m["seq_length"],
-        position_embedding_type="rope" if _is_llama(m) else "learned_absolute",
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    ).to(device)
-    model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    model = DistributedDataParallel(config, ddp_config, module=model)
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-4, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0), [model]
-    )
-
-    mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
-    # Inputs and labels as separate contiguous tensors, as the strategy's data module hands them over.
-    tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq + 1), device=device)
-    microbatches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-    positions = torch.arange(seq, device=device).expand(mbs, seq)
-
-    def forward_step(data_iterator, chunk):  # noqa: ANN001, ANN202
-        inputs, labels = next(data_iterator)
-        output = chunk(input_ids=inputs, position_ids=positions, attention_mask=None, labels=labels)
-
-        def loss_fn(per_token_loss):  # noqa: ANN001, ANN202
-            return (
-                per_token_loss.float().sum(),
-                torch.tensor(per_token_loss.numel(), device=device, dtype=torch.int),
-                {},
-            )
-
-        return output, loss_fn
-
-    forward_backward = get_forward_backward_func()
-    times = []
-    profiler = StepProfiler(spec)
-    for step in range(StepProfiler.total_steps(spec)):
-        _synchronize()
-        profiler.step_started(step)
-        start = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
-            model=[model],
-            num_microbatches=nmb,
-            seq_length=seq,
-            micro_batch_size=mbs,
-            forward_only=False,
-        )
-        optimizer.step()
-        _synchronize()
-        times.append(time.perf_counter() - start)
-        profiler.step_ended(step)
-    return times[WARMUP : WARMUP + MEASURED]
-
-
-def run_hf(spec: dict[str, Any]) -> list[float]:
-    import torch
-
-    m = spec["model"]
-    on_cpu = spec["accelerator"] == "cpu"
-    pure_bf16 = spec["runner"] == "hf-bf16"
-    device = torch.device("cpu" if on_cpu else "cuda")
-    model = _hf_model(m).to(device, torch.bfloat16 if pure_bf16 else torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not on_cpu)
-    mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
-    tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq), device=device)
-    times = []
-    profiler = StepProfiler(spec)
-    for step in range(StepProfiler.total_steps(spec)):
-        _synchronize()
-        profiler.step_started(step)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        for micro in tokens:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not pure_bf16):
-                loss = model(input_ids=micro, labels=micro).loss / nmb
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        _synchronize()
-        times.append(time.perf_counter() - start)
-        profiler.step_ended(step)
-    return times[WARMUP : WARMUP + MEASURED]
-
-
-def _hf_model(m: dict[str, Any]) -> Any:
-    """``transformers``' own model of the shape, SDPA attention, no dropout; the vocabulary padded as megatron-core
-    pads it (same FLOPs, fast GEMMs)."""
-    padded_vocab = -(-m["vocab_size"] // 128) * 128
-    if _is_llama(m):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            num_hidden_layers=m["num_layers"],
-            hidden_size=m["hidden_size"],
-            num_attention_heads=m["num_attention_heads"],
-            num_key_value_heads=m["num_query_groups"],
-            intermediate_size=m["ffn_hidden_size"],
-            max_position_embeddings=m["seq_length"],
-            vocab_size=padded_vocab,
-            tie_word_embeddings=False,
-            attn_implementation="sdpa",
-        )
-        return LlamaForCausalLM(config)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=m["num_layers"],
-        n_embd=m["hidden_size"],
-        n_head=m["num_attention_heads"],
-        n_positions=m["seq_length"],
-        vocab_size=padded_vocab,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="sdpa",
-    )
-    return GPT2LMHeadModel(config)
-
-
-def _worker(spec: dict[str, Any]) -> None:
-    runner = spec["runner"]
-    times = (
-        run_hf(spec)
-        if runner.startswith("hf")
-        else run_mcore(spec)
-        if runner.startswith("mcore")
-        else run_strategy(spec)
-    )
-    rank = int(os.environ.get("RANK", 0))
-    record = {"rank": rank, "step_seconds": times, "peak_memory_gib": _peak_memory_gib()}
-    if "fused_step_seconds" in spec:
-        record["fused_step_seconds"] = spec["fused_step_seconds"]
-    Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(record))
-
-
-# -- driver ----------------------------------------------------------------------------------------------
 def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, options: dict[str, Any]) -> dict[str, Any]:
     gpus, tp, pp = model["layouts"][layout]
     result_dir = Path(tempfile.mkdtemp(prefix=f"{name}-{layout}-{runner}-", dir=workdir))
@@ -634,7 +275,7 @@ def main() -> int:
     parser.add_argument("--baseline", default="hf-bf16", help="runner the per-round ratios are taken against")
     args = parser.parse_args()
     if args.worker_spec:
-        _worker(json.loads(args.worker_spec))
+        worker(json.loads(args.worker_spec))
         return 0
 
     import torch
