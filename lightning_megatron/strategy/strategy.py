@@ -51,7 +51,12 @@ from lightning_megatron.strategy.collectives import (
     gather_tensor,
     reduce_tensor,
 )
-from lightning_megatron.strategy.graphs import StepGraph, check_cuda_graphs, resolve_cuda_graphs
+from lightning_megatron.strategy.graphs import (
+    StepGraph,
+    check_cuda_graphs,
+    resolve_accumulation_fusion,
+    resolve_cuda_graphs,
+)
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
 from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout, seed_parallel_rngs
@@ -90,6 +95,8 @@ class MegatronAppStrategy(ParallelStrategy):
             that accumulates into the fp32 ``main_grad`` (GPUs, bf16/fp16), without the half-precision temporary
             and the separate add; what megatron-core's flag of that name does with apex, here without apex
             (:mod:`lightning_megatron.pipeline.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
+            Unset: on with a CUDA-graphed step in one process, where it was measured faster (see
+            :func:`~lightning_megatron.strategy.graphs.resolve_accumulation_fusion`).
         tp_comm_overlap: Overlap the tensor-parallel all-gathers, reduce-scatters and all-reduces of every
             ``ColumnParallelLinear`` / ``RowParallelLinear`` with their GEMMs (chunked collective matmul over NCCL,
             no Transformer Engine; :mod:`lightning_megatron.pipeline.tp_overlap`). Same results; ignored (with a
@@ -130,7 +137,7 @@ class MegatronAppStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         grad_reduce_in_fp32: bool = True,
-        gradient_accumulation_fusion: bool = False,
+        gradient_accumulation_fusion: Optional[bool] = None,
         tp_comm_overlap: bool = False,
         tp_comm_overlap_chunks: int = 2,
         ddp_bucket_size: Optional[int] = None,
@@ -174,7 +181,13 @@ class MegatronAppStrategy(ParallelStrategy):
             )
         self.use_distributed_optimizer = use_distributed_optimizer
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
-        self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
+        if gradient_accumulation_fusion not in (None, True, False):
+            raise MegatronConfigError(
+                f"`gradient_accumulation_fusion` must be true, false or unset (automatic), got "
+                f"{gradient_accumulation_fusion!r}."
+            )
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self._accumulation_fusion = bool(gradient_accumulation_fusion)  # resolved in setup_environment
         self.tp_comm_overlap = tp_comm_overlap_options(tp_comm_overlap, tp_comm_overlap_chunks, self.layout.tensor)
         self._fused_linears: Optional[SplitLinears] = None  # installed for a fit, restored at teardown
         named_ddp = dict(
@@ -263,6 +276,11 @@ class MegatronAppStrategy(ParallelStrategy):
         return self._graphs
 
     @property
+    def fuses_gradient_accumulation(self) -> bool:
+        """``gradient_accumulation_fusion`` as resolved when the processes start."""
+        return self._accumulation_fusion
+
+    @property
     def step_graph(self) -> Optional[StepGraph]:
         """This fit's step graph when steps are replayed as CUDA graphs (its ``captures``, ``replays`` and
         ``gave_up_because``); else None."""
@@ -307,6 +325,13 @@ class MegatronAppStrategy(ParallelStrategy):
             num_nodes=self.num_nodes,
             unchecked=self._settings_not_run_graphed() if self.world_size > 1 else (),
         )
+        self._accumulation_fusion = resolve_accumulation_fusion(
+            self.gradient_accumulation_fusion,
+            graphs=self._graphs,
+            world_size=self.world_size,
+            on_cpu=on_cpu,
+            params_dtype=self.precision_plugin.params_dtype,
+        )
         self._init_process_group(backend, on_cpu)
         self._init_parallel_state()
         base_seed = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 1234))
@@ -321,7 +346,7 @@ class MegatronAppStrategy(ParallelStrategy):
         named = {
             "overlap_param_gather": self._ddp_kwargs.get("overlap_param_gather", False),
             "tp_comm_overlap": self.tp_comm_overlap is not None,
-            "gradient_accumulation_fusion": self.gradient_accumulation_fusion,
+            "gradient_accumulation_fusion": self.gradient_accumulation_fusion is True,
         }
         return tuple(name for name, on in named.items() if on)
 
@@ -384,9 +409,9 @@ class MegatronAppStrategy(ParallelStrategy):
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
             self._chunks = wrap_ddp(wrapped, self._ddp_kwargs) if fitting else wrapped
-        if fitting and (self.gradient_accumulation_fusion or self.tp_comm_overlap) and self._fused_linears is None:
+        if fitting and (self._accumulation_fusion or self.tp_comm_overlap) and self._fused_linears is None:
             self._fused_linears = split_linears(  # outside a zero-bubble step W runs inside B
-                self._chunks, overlap=self.tp_comm_overlap, accumulate=self.gradient_accumulation_fusion
+                self._chunks, overlap=self.tp_comm_overlap, accumulate=self._accumulation_fusion
             )
             if self.tp_comm_overlap and not self._fused_linears.modules:
                 rank_zero_warn(
