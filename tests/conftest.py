@@ -3,6 +3,8 @@ rank is forked, so every forked rank starts with them already imported."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from distributed import WorkerPool
 
@@ -15,3 +17,22 @@ def ranks(tmp_path_factory: pytest.TempPathFactory):
     pool = WorkerPool(tmp_path_factory.mktemp("rank-logs"))
     yield pool
     pool.close()
+
+
+_LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK")
+
+
+@pytest.fixture(autouse=True)
+def launcher_environment_restored():
+    """Lightning's launcher writes ``LOCAL_RANK``, ``MASTER_PORT`` and the like into the environment of the process a
+    Trainer starts in, and leaves them there (a fit that fails before its processes start does too). A later test
+    whose subprocess inherits ``LOCAL_RANK`` takes itself for a launched rank and waits for peers that never start
+    (``tests/test_cli.py`` after ``tests/test_graphs.py``: 300 s, then a store timeout). Every test ends with the
+    launcher variables it began with."""
+    before = {name: os.environ.get(name) for name in _LAUNCHER_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

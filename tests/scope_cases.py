@@ -60,11 +60,21 @@ def grads(module: GPTModule) -> dict[str, torch.Tensor]:
     return out
 
 
-def perturbed_gradients(world: int, model: dict[str, Any], pert: dict[str, Any], **layout: Any) -> dict[str, Any]:
+def perturbed_gradients(
+    world: int, model: dict[str, Any], pert: dict[str, Any], linears: str = "megatron", **layout: Any
+) -> dict[str, Any]:
     """Gradients of the loss of one batch (plain autograd through the chunks) under ``perturb`` and under an
-    explicit reference that adds the same draws by hand; the clean weights before and after."""
+    explicit reference that adds the same draws by hand; the clean weights before and after. ``linears``: the
+    layers' own backward (``"megatron"``), the strategy's B/W-split one (``"split"``: ``gradient_accumulation_fusion``,
+    on by default with graphs) or its overlapped tensor-parallel layers (``"overlap"``: ``tp_comm_overlap``)."""
     trainer, module = build(world, model, **layout)
     chunk = module.model_chunks[0]
+    if linears != "megatron":
+        from lightning_megatron.pipeline.tp_overlap import TPCommOverlap
+        from lightning_megatron.pipeline.wgrad import split_linears
+
+        overlap = TPCommOverlap(chunks=2) if linears == "overlap" else None
+        assert split_linears([chunk], overlap=overlap).modules, "no linear layer was split"
     ids = tokens(1)
     positions = torch.arange(SEQ).expand_as(ids)
 
@@ -121,11 +131,14 @@ def _explicit_reference(module: GPTModule, chunk: torch.nn.Module, spec: Perturb
             return run()
         finally:
             handle.remove()
-    # attn.W_QKV: column-parallel, rows split by TP rank
-    weight = layer.self_attention.linear_qkv.weight
-    full_shape = [weight.shape[0] * tp, weight.shape[1]]
+    # attn.W_QKV: column-parallel, rows split by TP rank; attn.W_O: row-parallel, columns split
+    column = spec.site.endswith("W_QKV")
+    weight = (layer.self_attention.linear_qkv if column else layer.self_attention.linear_proj).weight
+    split_dim = 0 if column else 1
+    full_shape = list(weight.shape)
+    full_shape[split_dim] *= tp
     draws = noise_draws(spec, spec.site, full_shape, microbatch=None)["n"]
-    local = draws.chunk(tp, dim=0)[tp_rank]
+    local = draws.chunk(tp, dim=split_dim)[tp_rank]
     clean = weight.detach().clone()
     loss, grads = None, None
     with torch.no_grad():

@@ -55,12 +55,21 @@ def test_captures_equal_at_every_layout(ranks: Any, reference: Any, style: str, 
     [
         dict(site="blocks.1.hook_resid_post", kind="gaussian", strength=0.3, seed=5),
         dict(site="blocks.0.attn.W_QKV", kind="gaussian", strength=0.05, seed=7),
+        dict(site="blocks.1.attn.W_O", kind="gaussian", strength=0.05, seed=9),
     ],
-    ids=["residual", "weight"],
+    ids=["residual", "weight", "row-parallel-weight"],
 )
-@pytest.mark.parametrize("world,tp", [(1, 1), (2, 2)], ids=["tp1", "tp2"])
-def test_perturbed_gradients_match_an_explicit_reference(ranks: Any, pert: dict, world: int, tp: int) -> None:
-    results = ranks.run(world, perturbed_gradients, world, LLAMA_STYLE, pert, tensor_model_parallel_size=tp)
+@pytest.mark.parametrize(
+    "world,tp,linears",
+    [(1, 1, "megatron"), (2, 2, "megatron"), (1, 1, "split"), (2, 2, "overlap")],
+    ids=["tp1", "tp2", "tp1-split-linears", "tp2-overlapped-linears"],
+)
+def test_perturbed_gradients_match_an_explicit_reference(
+    ranks: Any, pert: dict, world: int, tp: int, linears: str
+) -> None:
+    """With the strategy's own linear layers (``gradient_accumulation_fusion``, ``tp_comm_overlap``) a weight with
+    noise added is not the layer's parameter: its gradient must still reach the parameter, through autograd."""
+    results = ranks.run(world, perturbed_gradients, world, LLAMA_STYLE, pert, linears, tensor_model_parallel_size=tp)
     for r in results:
         assert r["loss"] != r["clean_loss"], "the perturbation changed nothing"
         torch.testing.assert_close(r["loss"], r["reference_loss"], rtol=0, atol=1e-6)

@@ -179,6 +179,7 @@ def row_forward(
         or offloading
         or self.weight is None
         or not self.weight.requires_grad
+        or self.weight is not self._parameters.get("weight")  # e.g. MegaScope's weight noise: see wgrad.py
     ):
         return type(self).forward(self, input_)
     output = _RowLinear.apply(

@@ -114,12 +114,15 @@ def _split_forward_impl(
 ) -> torch.Tensor:
     """Stands in for the layer's ``_forward_impl`` (megatron-core calls it with these keywords).
 
-    A weight passed in from elsewhere (the output layer of a one-stage model with tied embeddings uses the
-    embedding's) keeps megatron-core's backward: its gradient also comes from the embedding, through autograd,
-    and the placeholder below would make megatron-core's DDP hook drop that part. ``overlap`` (bound by
-    :func:`split_linears`): a column-parallel layer's communication is overlapped (:mod:`.tp_overlap`).
+    A weight that is not the layer's own parameter keeps megatron-core's backward, whose weight gradient goes back
+    through autograd: the output layer of a one-stage model with tied embeddings uses the embedding's (its
+    gradient also comes from the embedding, and the placeholder below would make megatron-core's DDP hook drop
+    that part), and MegaScope's weight noise passes the parameter plus noise (a tensor without ``main_grad``,
+    whose gradient must reach the parameter through the addition). ``overlap`` (bound by :func:`split_linears`):
+    a column-parallel layer's communication is overlapped (:mod:`.tp_overlap`).
     """
-    if not weight.requires_grad or grad_output_buffer is not None or weight is not getattr(self, "weight", None):
+    own = self._parameters.get("weight")
+    if not weight.requires_grad or grad_output_buffer is not None or weight is not own:
         return type(self)._forward_impl(
             self,
             input,
