@@ -403,6 +403,53 @@ def test_tests_against_a_rank_own_history() -> None:
     assert later_steps_change(dict(enumerate(earlier)), 9) is None  # fewer than 2 x 9 steps
 
 
+def _smallest_p(values: list[float], cut: int) -> float:
+    from lightning_megatron.scan.compare import exceedance_p, rank_sum_p
+
+    return min(rank_sum_p(values[cut:], values[:cut]), exceedance_p(values[cut:], values[:cut]))
+
+
+def test_the_family_wise_p_value_counts_the_permutations_that_are_as_extreme() -> None:
+    """The fast permutation test (ranks, thresholds computed once per split) against the plain one that runs both
+    tests at every split of every permuted order: the same permutations (one seed), the same count, ties
+    included; and under the null hypothesis it rejects at most at its level."""
+    from lightning_megatron.scan import compare
+
+    rng = random.Random(5)
+    for n, onset in ((20, 12), (34, 9), (34, 27)):
+        values = [round(100 * (1 + rng.gauss(0, 0.02)), 1) * (1.15 if i >= onset else 1) for i in range(n)]
+        cuts = list(range(8, n - 7))
+        smallest = min(_smallest_p(values, c) for c in cuts)
+        order, plain, done, shuffler = list(values), 0, 0, random.Random(n)  # _permutation_p's seed
+        while done < 2000:
+            done += 1
+            shuffler.shuffle(order)
+            plain += min(_smallest_p(order, c) for c in cuts) <= smallest * (1 + 1e-9)
+            if plain >= 21:  # its early stop at alpha 0.01 (give_up = ceil(0.01 * 2001))
+                break
+        fast = compare._permutation_p(values, cuts, smallest, 0.01)
+        assert fast == pytest.approx((1 + plain) / (done + 1)), (n, onset, smallest)
+    rejected = 0
+    for seed in range(300):
+        null = random.Random(seed)
+        change = compare.later_steps_change({i: 100 + null.gauss(0, 1) for i in range(34)}, 8, 0.05)
+        rejected += change is not None and change.p < 0.05
+    assert rejected <= 0.05 * 300 + 2 * math.sqrt(0.05 * 0.95 * 300)  # at its level, within two sigmas
+
+
+def test_a_change_early_or_late_in_the_run_is_found() -> None:
+    """Fixed splits saw a change near them only: one that begins a quarter of the way or at three quarters is
+    found now, wherever it begins between the outermost splits, with its change point."""
+    from lightning_megatron.scan.compare import later_steps_change
+
+    for onset in (8, 26):
+        rng = random.Random(onset)
+        steps = {i: 100 * (1 + rng.gauss(0, 0.02)) * (1.3 if i >= onset else 1.0) for i in range(34)}
+        change = later_steps_change(steps, 8)
+        assert change is not None and change.p < 0.01 and 0.2 < change.excess < 0.4, change
+        assert change.later_steps[0] == max(8, min(onset, 34 - 8)), change
+
+
 PARTIAL_LAYOUTS = {"dp2": dict(dp=2, pp=1, tp=1), "tp2-pp2": dict(dp=1, pp=2, tp=2), "dp4": dict(dp=4, pp=1, tp=1)}
 
 
@@ -526,8 +573,8 @@ def test_a_rank_that_slows_down_during_the_run_against_itself(tmp_path: Path, ca
 def test_one_process_whose_gpu_is_hit_by_bursts_from_halfway(tmp_path: Path) -> None:
     """One process, a competitor on its GPU from the middle of the run that slows every other step or so (the
     bursty competitor of ``benchmarks/megascan_eval.py``): the later steps' median barely moves; the trimmed
-    mean and the exceedance test see it. Found in at least 15 of 20 seeds (16 when written; the halves alone
-    found 19, the three splits pay a little at the middle for much more range); clean runs name nothing."""
+    mean and the exceedance test see it. Found in at least 15 of 20 seeds (18 with every split and the
+    permutation p-value; 19 with the halves alone, 16 with three fixed splits); clean runs name nothing."""
     found = 0
     for seed in range(20):
         report, _ = run(

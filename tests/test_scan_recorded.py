@@ -1,9 +1,15 @@
-"""Detection on traces recorded on GPUs, not generated: ``tests/data/megascan_h200_pp2.tar.gz`` holds four fits
-of ``benchmarks/megascan_eval.py`` on 2x H200 (a 16-layer, 2048-wide GPT at PP2, every step traced with layer
-spans, 2026-11-23), kept with ``--keep-traces``. The faults came from outside MegaScan's own injector: another
-process multiplying matrices on rank 0's GPU, processes spinning on rank 0's CPUs, and (the injector) a delayed
-link from rank 0 to rank 1. Before the rules below existed the first was named ``link`` and the second a slow
-link (a host-paced send); these cases keep them fixed."""
+"""Detection on traces recorded on GPUs, not generated, kept by ``benchmarks/megascan_eval.py --keep-traces``.
+The faults came from outside MegaScan's own injector.
+
+* ``tests/data/megascan_h200_pp2.tar.gz``: four fits on 2x H200 (a 16-layer, 2048-wide GPT at PP2, every step
+  traced with layer spans, 2026-11-23): another process multiplying matrices on rank 0's GPU, processes spinning
+  on rank 0's CPUs, and (the injector) a delayed link from rank 0 to rank 1. Before the rules below existed the
+  first was named ``link`` and the second a slow link (a host-paced send); these cases keep them fixed.
+* ``tests/data/megascan_h100_single_early.tar.gz``: fifteen one-process fits on one H100 (the ``medium`` GPT, 34
+  steps, CUDA graphs, 2026-11-24, ``--layouts single --onset 0.25``), the faults beginning at step 10: clean fits,
+  a competitor on the GPU in bursts, a slow loader and CPU contention. The rank's own earlier steps are the only
+  baseline; with three fixed splits the rule found none of the bursty fits and two of five slow loaders.
+"""
 
 from __future__ import annotations
 
@@ -14,15 +20,24 @@ import pytest
 
 from lightning_megatron.scan.detect import detect
 
-ARCHIVE = Path(__file__).parent / "data" / "megascan_h200_pp2.tar.gz"
+DATA = Path(__file__).parent / "data"
+
+
+def _extracted(tmp_path_factory: pytest.TempPathFactory, archive_name: str, folder: str) -> Path:
+    root = tmp_path_factory.mktemp("recorded")
+    with tarfile.open(DATA / archive_name) as archive:
+        archive.extractall(root, filter="data")
+    return root / folder
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("recorded")
-    with tarfile.open(ARCHIVE) as archive:
-        archive.extractall(root, filter="data")
-    return root / "pp2"
+    return _extracted(tmp_path_factory, "megascan_h200_pp2.tar.gz", "pp2")
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _extracted(tmp_path_factory, "megascan_h100_single_early.tar.gz", "single")
 
 
 def named(report) -> list[tuple[int, str]]:
@@ -56,3 +71,25 @@ def test_a_delayed_link_is_still_named(recorded: Path) -> None:
     report = detect(recorded / "link-delay-0")
     assert named(report) == [(0, "link")], report.table()
     assert report.suspects[0].peer == 1 and report.suspects[0].impact_ms > 10
+
+
+def test_one_process_clean_fits_and_cpu_contention_name_nothing(one_gpu: Path) -> None:
+    """CPU contention did not slow this job (+0.2%): nothing to name."""
+    for fit in [f"clean-{i}" for i in range(5)] + ["cpu-contention-0"]:
+        report = detect(one_gpu / fit)
+        assert report.suspects == [], (fit, report.table())
+
+
+def test_one_process_changes_that_begin_early_are_found_against_its_own_history(one_gpu: Path) -> None:
+    """From step 10 of 34: GPU contention (+90%), bursts of it (+45%) and a slow loader (+25%) against the rank's
+    own earlier steps, split where the change began. One bursty fit of five stays below the level (the bursts
+    spared enough of its later steps)."""
+    report = detect(one_gpu / "gpu-contention-0")
+    assert named(report) == [(0, "compute")], report.table()
+    assert report.suspects[0].evidence["later_steps"][0] <= 12, report.suspects[0].evidence
+    bursty = [named(detect(one_gpu / f"gpu-contention-bursty-{i}")) for i in range(5)]
+    assert sum(found == [(0, "compute")] for found in bursty) >= 4 and all(f in ([], [(0, "compute")]) for f in bursty)
+    for fit in ("slow-loader-0", "slow-loader-2", "slow-loader-3"):  # the fixed splits missed these three
+        report = detect(one_gpu / fit)
+        assert named(report) == [(0, "data")], (fit, report.table())
+        assert report.suspects[0].evidence["rule"] == "later steps against the rank's own earlier steps"

@@ -52,6 +52,7 @@ __all__ = [
     "comparison_evidence",
     "compute_suspects",
     "flagged",
+    "history_alpha",
     "history_evidence",
     "make_suspect",
     "own_history_suspects",
@@ -66,7 +67,7 @@ _MIN_SUPERIORITY = 0.8
 MIN_STEPS = 8  # steps of identical work for the per-step rule (its smallest p-value is then 1/256)
 _STEP_ALPHA = 0.01  # per-step rule: one rank against all its peers (Bonferroni over them)
 _STEP_ALPHA_LARGE = 0.05  # ... for an excess of at least twice min_slowdown: bursts that leave a few steps clean
-_HISTORY_ALPHA = 0.01  # own-history rules: later half against earlier half, family-wise over the ranks tested
+_HISTORY_ALPHA = 0.01  # own-history rules: later steps against earlier ones, family-wise over the ranks tested
 
 
 def peer_groups(traces: dict[int, RankTrace]) -> dict[int, list[int]]:
@@ -256,7 +257,8 @@ def own_history_suspects(
         steps = [s for s, t in per_step.items() if t.spans and t.compute_us > 0]
         if len({per_step[s].spans for s in steps}) != 1:
             continue
-        change = later_steps_change({s: per_step[s].compute_us for s in steps}, MIN_STEPS)
+        compute = {s: per_step[s].compute_us for s in steps}
+        change = later_steps_change(compute, MIN_STEPS, history_alpha(len(totals)))
         evidence = history_evidence(change, min_slowdown, min_impact_us, len(totals))
         if evidence is not None:
             evidence["step_ms"] = per_rank[rank].step_ms
@@ -267,6 +269,11 @@ def own_history_suspects(
 HISTORY_RULE = "later steps against the rank's own earlier steps"
 
 
+def history_alpha(ranks_tested: int) -> float:
+    """The level of the own-history test of each of ``ranks_tested`` ranks (Bonferroni over them)."""
+    return _HISTORY_ALPHA / max(1, ranks_tested)
+
+
 def history_evidence(
     change: Optional[HistoryChange], min_slowdown: float, min_impact_us: float, ranks_tested: int
 ) -> Optional[dict[str, Any]]:
@@ -275,7 +282,7 @@ def history_evidence(
     ``ranks_tested`` (Bonferroni: 1% for one process, 0.125% per rank for eight)."""
     if change is None or change.excess < min_slowdown or change.after - change.before < min_impact_us:
         return None
-    alpha = _HISTORY_ALPHA / max(1, ranks_tested)
+    alpha = history_alpha(ranks_tested)
     if change.p >= alpha:
         return None
     return {

@@ -91,6 +91,7 @@ from lightning_megatron.scan.compute_rules import (
     attribute_host,
     compute_suspects,
     flagged,
+    history_alpha,
     history_evidence,
     make_suspect,
     own_history_suspects,
@@ -410,7 +411,7 @@ def _history_suspects(
         if rank in named:
             continue
         per_step = dict(zip(waits.ends[rank], waits.samples[rank]))  # both filled step by step, in one order
-        change = later_steps_change(per_step, MIN_STEPS)
+        change = later_steps_change(per_step, MIN_STEPS, history_alpha(len(waits.samples)))
         evidence = history_evidence(change, min_slowdown, min_impact_us, len(waits.samples))
         if evidence is None:
             continue
