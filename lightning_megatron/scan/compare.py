@@ -446,7 +446,8 @@ def _permutation_p(values: Sequence[float], cuts: Sequence[int], smallest: float
     n = len(values)
     ranks = _average_ranks(values)
     ties = sum(t**3 - t for t in Counter(ranks).values())
-    above = {r: sum(1 for q in ranks if q > r) for r in set(ranks)}
+    ordered = sorted(ranks)
+    above = {r: n - bisect.bisect_right(ordered, r) for r in set(ranks)}  # steps ranked above r
     z = -NormalDist().inv_cdf(max(smallest, 1e-300))
     slack = 1.0 + 1e-9  # a permutation as extreme as the observed order counts
     sum_needed, count_needed = [], []
