@@ -302,7 +302,7 @@ def resolve_accumulation_fusion(
     """Whether the weight-gradient GEMMs accumulate into ``main_grad`` (``gradient_accumulation_fusion``).
     ``True``/``False`` are the user's; ``None`` (automatic) turns it on with the graph, where it was measured
     faster: a step replayed as a CUDA graph in one process with half-precision weights (GPT-2-medium 1.02x and a
-    Llama-style 0.85B 1.03x, one H100, ``throughput_1gpu_gaf_graphs_h100.json``), where the host's extra work per
+    Llama-style 0.85B 1.01-1.03x, one H100, ``throughput_1gpu_gaf_graphs*_h100.json``), where the host's extra work per
     layer is gone from the step and the GEMM saves the separate add and the bf16 temporary. Eager one-GPU steps of
     GPT-2-medium ran 0.92x with it (host-bound), and graphed multi-process steps never ran with it: off there."""
     if requested is not None:
