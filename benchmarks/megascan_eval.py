@@ -13,7 +13,14 @@ between 0 and 1:
 * ``clean``;
 * ``gpu-contention`` / ``gpu-contention-bursty``: another process multiplying matrices on the rank's GPU,
   continuously / 0.3 s on, 0.3 s off (``scan.faults.CompetingProcess``; GPUs only);
+* ``gpu-memory-contention``: another process copying 512 MiB buffers on the rank's GPU, continuously
+  (bandwidth-bound kernels instead of GEMMs; ``CompetingProcess(kind="gpu-memory")``; GPUs only);
 * ``cpu-contention``: spinning processes on the rank's CPUs (its affinity set);
+* ``host-stall`` / ``host-stall-in-step`` / ``host-stall-hidden``: the rank's own Python blocks for about 25% of a
+  clean step per step (``scan.faults.HostStall``): in ``on_train_batch_end`` after MegaScan's (the host gap
+  before the next step), the same before MegaScan's (inside the traced step, after the GPU finished: the
+  evaluation's step timer synchronizes first, as a logged loss would), and in ``on_before_optimizer_step``,
+  behind the step's queued GPU work (which may hide it: then it must not be named wrongly);
 * ``slow-loader`` / ``slow-loader-mild``: the rank's samples take longer to read (``scan.faults.SlowDataset``),
   about 25% / 2% of a clean step per batch;
 * ``link-delay`` (PP2 only): pipeline messages from rank 0 to rank 1 arrive later, about 25% of a clean step per
@@ -66,7 +73,11 @@ GRANULARITY = {"pp2": "layer"}  # stages alone in their stage are compared on la
 EXPECTED = {  # the kinds that name a fault rightly
     "gpu-contention": {"compute"},
     "gpu-contention-bursty": {"compute"},
+    "gpu-memory-contention": {"compute"},
     "cpu-contention": {"host", "compute"},
+    "host-stall": {"host"},
+    "host-stall-in-step": {"host"},
+    "host-stall-hidden": {"host"},
     "slow-loader": {"data"},
     "slow-loader-mild": {"data"},
     "link-delay": {"link"},
@@ -77,8 +88,9 @@ MICROBATCHES = 4
 
 def cases(layout: str, gpu: bool) -> list[str]:
     names = ["clean", "cpu-contention", "slow-loader", "slow-loader-mild"]
+    names += ["host-stall", "host-stall-in-step", "host-stall-hidden"]
     if gpu:
-        names[1:1] = ["gpu-contention", "gpu-contention-bursty"]
+        names[1:1] = ["gpu-contention", "gpu-contention-bursty", "gpu-memory-contention"]
     if layout == "pp2":
         names.append("link-delay")
     return names
@@ -87,6 +99,7 @@ def cases(layout: str, gpu: bool) -> list[str]:
 COMPETITORS = {
     "gpu-contention": dict(kind="gpu"),
     "gpu-contention-bursty": dict(kind="gpu", on_s=0.3, off_s=0.3),
+    "gpu-memory-contention": dict(kind="gpu-memory"),
     "cpu-contention": dict(kind="cpu"),
 }
 
@@ -106,7 +119,7 @@ def _callbacks(
     each run's fit starts with its fault already competing and pays no process start-up. ``onset_step``: the
     fault begins at this step (0: from the start)."""
     from lightning_megatron.scan import LinkDelayInjector, MegaScan
-    from lightning_megatron.scan.faults import CompetingProcess, SlowDataset
+    from lightning_megatron.scan.faults import CompetingProcess, HostStall, SlowDataset
 
     callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=TRACED_FROM, granularity=granularity)]
     wrap = None
@@ -120,6 +133,10 @@ def _callbacks(
         samples = MICROBATCHES * micro_batch  # in a rank's batch
         per_sample_ms = share * step_ms / samples
         wrap = lambda dataset: SlowDataset(dataset, per_sample_ms, [rank], after_reads=onset_step * samples)  # noqa: E731
+    elif case.startswith("host-stall"):
+        hook = "before_optimizer_step" if case.endswith("hidden") else "batch_end"
+        stall = HostStall([rank], delay_ms=0.25 * step_ms, hook=hook, start_step=onset_step)
+        callbacks.insert(0 if case.endswith("in-step") else len(callbacks), stall)  # before or after MegaScan's
     elif case == "link-delay":
         callbacks.append(LinkDelayInjector(src=0, dst=1, delay_ms=0.25 * step_ms / MICROBATCHES))
     return callbacks, wrap
@@ -127,6 +144,8 @@ def _callbacks(
 
 def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
+
+    from lightning_megatron.scan import MegaScan
 
     steps, runs = spec["steps"], spec["runs"]
     records: list[dict[str, Any]] = []
@@ -136,7 +155,8 @@ def _worker(spec: dict[str, Any]) -> None:
     chosen = cases(spec["layout_name"], spec["accelerator"] == "gpu")
     if spec.get("cases"):
         chosen = ["clean"] + [case for case in chosen if case in spec["cases"] and case != "clean"]
-    plan = [(case, i) for i in range(runs) for case in chosen]
+    first = spec.get("first_run", 0)  # --append: numbered after the earlier launches' runs (and trace folders)
+    plan = [(case, i) for i in range(first, first + runs) for case in chosen]
     # Round by round (each round's clean run first: the faults' sizes come from the clean runs so far), so a
     # deadline cuts every case alike and slow drift of the machine falls on every case alike.
     try:
@@ -169,7 +189,7 @@ def _worker(spec: dict[str, Any]) -> None:
             median_ms = 1000 * statistics.median(times[max(1, spec["onset_step"]) :])  # the faulted steps
             if case == "clean":
                 clean_ms.append(median_ms)
-            report = callbacks[0].report
+            report = next(c for c in callbacks if isinstance(c, MegaScan)).report
             records.append(
                 {
                     "case": case,
@@ -384,8 +404,10 @@ def main() -> int:
                     f"--layouts single: --steps {args.steps} with --onset {args.onset} leaves under 8 traced steps "
                     "before or after the onset; use more steps or an onset nearer 0.5"
                 )
+            earlier = result["layouts"].get(name, {}).get("runs", [])
             spec = {
                 **base,
+                "first_run": 1 + max((r["run"] for r in earlier), default=-1),
                 "devices": devices,
                 "onset_step": onset,
                 "layout": layout,
@@ -401,10 +423,8 @@ def main() -> int:
             outcome = {"devices": devices, "onset_step": onset, **_launch(spec)}
             if args.keep_traces:
                 shutil.copytree(spec["workdir"], args.keep_traces / name, dirs_exist_ok=True)
-            earlier = result["layouts"].get(name, {}).get("runs", [])
-            if earlier:  # --append: this launch's runs join the layout's earlier ones (numbered after them)
-                offset = 1 + max(r["run"] for r in earlier)
-                outcome["runs"] = earlier + [{**r, "run": r["run"] + offset} for r in outcome["runs"]]
+            if earlier:  # --append: this launch's runs join the layout's earlier ones
+                outcome["runs"] = earlier + outcome["runs"]
             if outcome["runs"]:
                 outcome["score"] = score(outcome["runs"])
                 print(json.dumps({name: outcome["score"]}, indent=1), flush=True)

@@ -93,6 +93,13 @@ def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path)
         assert {(e["args"]["step"], e["args"]["microbatch"]) for e in forwards} == {
             (s, m) for s in range(1, 8) for m in range(8)
         }
+        # the optimizer's update alone, announced by the strategy's optimizer: one per step, inside it
+        steps = {e["args"]["step"]: e for e in events if e.get("cat") == "step"}
+        updates = [e for e in events if e.get("name") == "optimizer-step"]
+        assert sorted(e["args"]["step"] for e in updates) == sorted(steps) == list(range(1, 8))
+        for update in updates:
+            step = steps[update["args"]["step"]]
+            assert step["ts"] <= update["ts"] and update["ts"] + update["dur"] <= step["ts"] + step["dur"] + 1
         clocks = [e for e in events if e["name"] == "megascan.clock"]
         assert len(clocks) == 8  # fit start + after each of the 7 windows
         assert all(abs(c["args"]["offset_us"]) <= c["args"]["uncertainty_us"] + 1000 for c in clocks)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_megatron import MegatronConfigError
-from lightning_megatron.scan.faults import CompetingProcess, SlowDataset
+from lightning_megatron.scan.faults import CompetingProcess, HostStall, SlowDataset
 
 CPU_TRAINER = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), global_step=0)
 
@@ -59,6 +59,28 @@ def test_bad_settings_name_the_parameter() -> None:
         CompetingProcess([0], start_step=-1)
     with pytest.raises(MegatronConfigError, match="after_reads"):
         SlowDataset([1], delay_ms=1, ranks=[0], after_reads=-1)
+    with pytest.raises(MegatronConfigError, match="needs CUDA"):
+        CompetingProcess([0], kind="gpu-memory").on_fit_start(CPU_TRAINER, None)
+    with pytest.raises(MegatronConfigError, match="hook"):
+        HostStall([0], delay_ms=1, hook="on_validation_end")  # type: ignore[arg-type]
+    with pytest.raises(MegatronConfigError, match="delay_ms"):
+        HostStall([0], delay_ms=-1)
+
+
+@pytest.mark.parametrize("hook", ["batch_end", "before_optimizer_step"])
+def test_host_stall_blocks_its_hook_on_the_named_rank_from_its_step(hook: str) -> None:
+    """The host blocks in the chosen hook only, on rank 0 only, from ``start_step`` on (``on_train_batch_end``
+    sees the step already counted: ``global_step - 1`` is the batch's step)."""
+    stall, other = HostStall([0], delay_ms=40, hook=hook, start_step=3), HostStall([1], delay_ms=40, hook=hook)
+
+    def hooks(fault: HostStall, step: int) -> float:
+        started = time.perf_counter()
+        fault.on_before_optimizer_step(SimpleNamespace(global_step=step), None, None)
+        fault.on_train_batch_end(SimpleNamespace(global_step=step + 1), None, None, None, 0)
+        return time.perf_counter() - started
+
+    assert hooks(stall, 2) < 0.03 and hooks(other, 5) < 0.03
+    assert hooks(stall, 3) >= 0.04 and hooks(stall, 4) >= 0.04 and stall.stalls == 2 and other.stalls == 0
 
 
 def test_slow_dataset_delays_only_the_named_ranks() -> None:

@@ -9,6 +9,12 @@ The faults came from outside MegaScan's own injector.
   steps, CUDA graphs, 2026-11-24, ``--layouts single --onset 0.25``), the faults beginning at step 10: clean fits,
   a competitor on the GPU in bursts, a slow loader and CPU contention. The rank's own earlier steps are the only
   baseline; with three fixed splits the rule found none of the bursty fits and two of five slow loaders.
+* ``tests/data/megascan_h100_single_host.tar.gz``: thirteen one-process fits on one H100 (``medium`` and
+  ``llama``, 34 steps, CUDA graphs, 2026-11-24, ``--layouts single``), the faults beginning at step 18: the
+  job's own host blocking for a quarter of a step (``scan.faults.HostStall``) between steps, inside the traced
+  step after the GPU finished, and before the optimizer step behind queued GPU work (which hid it), and another
+  process copying buffers on the GPU. Before ``measure.host_waits_in_steps`` the stall inside steps was named
+  by nothing (a quarter of each step lost).
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ def _extracted(tmp_path_factory: pytest.TempPathFactory, archive_name: str, fold
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _extracted(tmp_path_factory, "megascan_h200_pp2.tar.gz", "pp2")
+
+
+@pytest.fixture(scope="module")
+def host_faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _extracted(tmp_path_factory, "megascan_h100_single_host.tar.gz", "host")
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +104,35 @@ def test_one_process_changes_that_begin_early_are_found_against_its_own_history(
         report = detect(one_gpu / fit)
         assert named(report) == [(0, "data")], (fit, report.table())
         assert report.suspects[0].evidence["rule"] == "later steps against the rank's own earlier steps"
+
+
+@pytest.mark.parametrize("model", ["medium", "llama"])
+def test_a_host_that_blocks_inside_the_step_is_named_host(host_faults: Path, model: str) -> None:
+    """A callback sleeping a quarter of a step before MegaScan's step end, with the GPU idle: +25% per step, in no
+    traced span; the GPU's wait for its host inside the steps names it, where it began (step 18)."""
+    fits = [f"host-stall-in-step-{i}" for i in range(3 if model == "medium" else 1)]
+    for fit in fits:
+        report = detect(host_faults / model / fit)
+        assert named(report) == [(0, "host")], (fit, report.table())
+        suspect = report.suspects[0]
+        assert suspect.evidence["where"].startswith("inside steps") and 16 <= suspect.evidence["later_steps"][0] <= 20
+        assert 0.15 < suspect.slowdown < 0.35 and suspect.impact_ms > 30, suspect  # the share of a step it costs
+        assert "inside steps" in report.table()
+
+
+def test_a_host_stall_the_gpu_hid_and_clean_fits_name_nothing(host_faults: Path) -> None:
+    """The same stall before the optimizer step, behind the step's queued GPU work: the job +0.2%, nothing named."""
+    fits = [("medium", f) for f in ("clean-0", "clean-1", "host-stall-hidden-0", "host-stall-hidden-1")]
+    fits += [("medium", "host-stall-hidden-2"), ("llama", "clean-0"), ("llama", "host-stall-hidden-0")]
+    for model, fit in fits:
+        report = detect(host_faults / model / fit)
+        assert report.suspects == [], (model, fit, report.table())
+
+
+def test_other_host_and_gpu_faults_keep_their_names(host_faults: Path) -> None:
+    """A stall between steps stays the host gap's; a bandwidth-bound competitor on the GPU is ``compute``, its
+    longer waits inside steps folded into it as evidence."""
+    report = detect(host_faults / "medium" / "host-stall-0")
+    assert named(report) == [(0, "host")] and "where" not in report.suspects[0].evidence, report.table()
+    report = detect(host_faults / "medium" / "gpu-memory-contention-0")
+    assert named(report) == [(0, "compute")], report.table()

@@ -165,7 +165,6 @@ class MegaScan(pl.Callback, StepListener):
         replayed multi-GPU traces have been checked the same way."""
         self._p2p_seq: dict[tuple[int, str, str], int] = {}
         self._step_span: Optional[Span] = None
-        self._optimizer_span: Optional[Span] = None
         self._last_batch_end: Optional[float] = None
         self._fetch_started: Optional[float] = None
         self._fetches: list[tuple[float, float]] = []  # the loader's fetches since the last step ended
@@ -351,20 +350,14 @@ class MegaScan(pl.Callback, StepListener):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_batch_end = None  # the wait before the next training batch is not data loading
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._recorder is not None and self._recorder.active:
-            step = {"step": self._context["step"]}
-            self._optimizer_span = self._recorder.open("optimizer-step", "optimizer", TID["host"], step)
-
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         recorder = self._recorder
         if recorder is not None and recorder.active:
-            for span in (self._optimizer_span, self._step_span):
-                if span is not None:
-                    recorder.close(span)
-            self._optimizer_span = self._step_span = None
+            if self._step_span is not None:
+                recorder.close(self._step_span)
+            self._step_span = None
             step = trainer.global_step - 1  # global_step already counts this batch's optimizer step
             if self._window_ends(step, trainer.max_steps):
                 self._finish_window()
@@ -433,6 +426,8 @@ class MegaScan(pl.Callback, StepListener):
             span = recorder.open(name, "p2p", TID["communication"], self._p2p_args(name, step))
         elif name == "all-grads-sync":
             span = recorder.open("grad-sync", "grad_sync", TID["host"], {"step": step})
+        elif name == "optimizer-step":  # the update alone: a user's hooks around it are the step's host time
+            span = recorder.open("optimizer-step", "optimizer", TID["host"], {"step": step})
         else:
             return
         self._open.setdefault(name, []).append(span)

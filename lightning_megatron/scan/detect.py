@@ -32,9 +32,9 @@ the time its peers spend on the *same* work, after taking the waiting out:
   and the trace has layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and
   backward) are the same work on every stage: those ranks are compared on them, per part and per step (a
   typical layer), on the spans their GPU paced;
-* **compute against itself**: a rank's later steps against its own earlier ones (the analysed steps split at a
-  third, half or two thirds; a rank-sum and an exceedance test), for what no peer can show: a lone stage without
-  layer spans, or every rank at once;
+* **compute against itself**: a rank's later steps against its own earlier ones (every split that leaves 8 steps
+  on each side; a rank-sum and an exceedance test, family-wise by permutation), for what no peer can show: a
+  lone stage without layer spans, one process alone, or every rank at once;
 * **data**: the time in ``data`` spans per step compared with the ranks of the same pipeline stage: the
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
   ``data-wait``, which also held Lightning's per-step work and named host slowness "data"); and, as compute,
@@ -45,7 +45,9 @@ the time its peers spend on the *same* work, after taking the waiting out:
 * **host inside steps**: on GPUs without busy time, a compute suspect whose GPU reached most spans as soon as the
   host queued them (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
 * **host**: the same rule on the host's gaps between steps (``host-gap``: Lightning's per-step work, logging,
-  callbacks): a rank whose host is slow (CPU contention) ends them late; and against its own earlier steps.
+  callbacks): a rank whose host is slow (CPU contention) ends them late; and against its own earlier steps;
+* **host inside steps**: the time a rank's GPU waited for its host between the step's traced spans (a callback
+  that blocks before the step ends), by the same two rules, where it costs ``min_slowdown`` of a step.
 
 A member is flagged when its excess over the peers' healthy level is at least ``min_slowdown`` *and* its log
 ratio to that level is at least ``min_z`` standard errors (timing noise is multiplicative; few or noisy samples
@@ -107,6 +109,7 @@ from lightning_megatron.scan.measure import (
     clock_sigma,
     collective_arrivals,
     data_waits,
+    host_waits_in_steps,
     keep_finished_steps,
     layer_parts_per_step,
     link_transfers,
@@ -195,6 +198,7 @@ def detect(
     for kind, waits in (("data", data_waits(traces)), ("host", data_waits(traces, "host"))):
         suspects += _data_suspects(traces, per_rank, waits, min_slowdown, min_z, min_impact_us, kind)
         suspects += _history_suspects(traces, per_rank, waits, suspects, min_slowdown, min_impact_us, kind)
+    suspects += _host_in_step_suspects(traces, per_rank, suspects, median_step_us, min_slowdown, min_z)
     suspects = _fold_consequences(suspects)
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
 
@@ -230,7 +234,8 @@ def _fold_consequences(suspects: list[Suspect]) -> list[Suspect]:
         cause = compute.get(suspect.rank)
         minor = cause is not None and suspect.impact_ms < _CONSEQUENCE_SHARE * cause.impact_ms
         if minor and suspect.kind == "host" and "late_ms" in suspect.evidence:  # from the host-gap comparison
-            cause.evidence["host_gap_ms"] = round(suspect.impact_ms, 3)
+            key = "host_in_step_ms" if "where" in suspect.evidence else "host_gap_ms"
+            cause.evidence[key] = round(suspect.impact_ms, 3)
             continue
         if minor and suspect.kind == "link":
             cause.evidence.update(link_ms=round(suspect.impact_ms, 3), link_peer=suspect.peer)
@@ -417,6 +422,38 @@ def _history_suspects(
             continue
         evidence.update(late_ms=None, step_ms=per_rank[rank].step_ms)  # against itself: lateness not measured
         found.append(make_suspect(traces[rank], kind, change.excess, evidence))
+    return found
+
+
+def _host_in_step_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    suspects: list[Suspect],
+    median_step_us: float,
+    min_slowdown: float,
+    min_z: float,
+) -> list[Suspect]:
+    """``host`` suspects for the time a rank's GPU waited for its host *inside* its steps
+    (``measure.host_waits_in_steps``: a callback that blocks before the step ends), by the rules of the host gaps
+    between steps: against the peers of its stage (who also ended late), and against its own earlier steps.
+
+    The healthy level of that time is near zero (25 µs per step on one H100), so a relative excess says nothing;
+    a suspect must cost ``min_slowdown`` of the job's median step (a stall worth naming slows the job) and its
+    ``slowdown`` is that share. Ranks already named ``host`` (between steps) are left out: one cause, one name."""
+    if not median_step_us:
+        return []
+    named = {s.rank for s in suspects if s.kind == "host"}
+    waits = host_waits_in_steps(traces)
+    waits = DataWaits(
+        {r: v for r, v in waits.samples.items() if r not in named},
+        {r: v for r, v in waits.ends.items() if r not in named},
+    )
+    bar_us = min_slowdown * median_step_us
+    found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, bar_us, "host")
+    found += _history_suspects(traces, per_rank, waits, found, min_slowdown, bar_us, "host")
+    for suspect in found:
+        suspect.slowdown = round(suspect.evidence["impact_ms"] * 1000 / median_step_us, 4)
+        suspect.evidence["where"] = "inside steps: the GPU waited for the host"
     return found
 
 

@@ -6,15 +6,21 @@ way real machines are, and leave it to the job to feel it (or not):
 * ``CompetingProcess(kind="gpu")``: another process running matrix multiplications on a rank's GPU (a second
   job, a stuck inference server). It takes time slices from the training kernels; with ``on_s``/``off_s`` it
   comes and goes (bursty). CUDA only.
+* ``CompetingProcess(kind="gpu-memory")``: another process copying large buffers on a rank's GPU: bandwidth-bound
+  work (a data-parallel inference job, a memory-bound preprocessing kernel) instead of GEMMs.
 * ``CompetingProcess(kind="cpu")``: processes spinning on the CPUs the rank's process may run on (its affinity
   set): a noisy neighbour on the host, which slows the host's kernel launches, data loading and Python.
+* ``HostStall``: a callback that blocks a rank's host in one of Lightning's hooks each step (a synchronous metrics
+  upload, a checkpoint copy, a garbage collection): after the step, where the GPU has finished and idles, or
+  before the optimizer step, behind queued GPU work that may hide it. The job's own Python, not a neighbour.
 * ``SlowDataset``: a dataset wrapper that sleeps in ``__getitem__`` on the chosen ranks (a slow file system
   behind one rank's loader). With ``num_workers=0`` the sleep is inside the loader's ``next()``, where MegaScan's
   ``data-fetch`` span times it.
 
 A slow link is ``scan.inject.LinkDelayInjector`` (inside the transport, as a slow wire is).
 
-Both can begin mid-fit (``CompetingProcess(start_step=...)``, ``SlowDataset(after_reads=...)``): a machine that
+All can begin mid-fit (``CompetingProcess(start_step=...)``, ``HostStall(start_step=...)``,
+``SlowDataset(after_reads=...)``): a machine that
 turns slow during a run, which a rank alone in its job can only show against its own earlier steps.
 
 The competing processes start at fit start, which returns only once each of them is competing (a spawned
@@ -38,7 +44,7 @@ import torch.distributed as dist
 
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["READY_TIMEOUT_S", "CompetingProcess", "SlowDataset"]
+__all__ = ["READY_TIMEOUT_S", "CompetingProcess", "HostStall", "SlowDataset"]
 
 READY_TIMEOUT_S = 120.0
 """How long fit start waits for the competing processes to be competing (importing torch, a CUDA context)."""
@@ -59,16 +65,44 @@ def _burn_gpu(device: int, on_s: float, off_s: float, stop: Any, active: Any, re
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     (a @ b).sum().item()  # CUDA context, cuBLAS handle and the GEMM kernel are up: burning from here on
     ready.set()
+
+    latest = [a]
+
+    def gemm() -> None:
+        latest[0] = (latest[0] @ b).clamp_(-1, 1)
+
+    _burn_on_gpu(gemm, on_s, off_s, stop, active)
+
+
+def _burn_on_gpu(work: Any, on_s: float, off_s: float, stop: Any, active: Any) -> None:
+    """``work()`` eight times, then a synchronize, for ``on_s`` seconds, idle ``off_s``, while ``active``, until
+    ``stop``."""
     while not stop.is_set():
         if _paused(active):
             continue
         until = time.monotonic() + on_s
         while time.monotonic() < until and not stop.is_set() and active.is_set():
             for _ in range(8):
-                a = (a @ b).clamp_(-1, 1)
+                work()
             torch.cuda.synchronize()
         if off_s > 0:
             stop.wait(off_s)
+
+
+MEMORY_BURN_BYTES = 512 * 2**20
+"""The memory burner's buffer (twice: source and destination): far above the L2 cache, so each copy streams HBM."""
+
+
+def _burn_gpu_memory(device: int, on_s: float, off_s: float, stop: Any, active: Any, ready: Any, size: int) -> None:
+    """Buffer copies on ``device`` (bandwidth-bound kernels) for ``on_s`` seconds, idle ``off_s``, while
+    ``active``, until ``stop``; ``size`` is unused (the buffer is ``MEMORY_BURN_BYTES``)."""
+    torch.cuda.set_device(device)
+    source = torch.empty(MEMORY_BURN_BYTES, dtype=torch.uint8, device="cuda").random_()
+    target = torch.empty_like(source)
+    target.copy_(source)
+    torch.cuda.synchronize()
+    ready.set()
+    _burn_on_gpu(lambda: target.copy_(source), on_s, off_s, stop, active)
 
 
 def _burn_cpu(cpus: Sequence[int], on_s: float, off_s: float, stop: Any, active: Any, ready: Any) -> None:
@@ -92,7 +126,8 @@ def _burn_cpu(cpus: Sequence[int], on_s: float, off_s: float, stop: Any, active:
 
 
 class CompetingProcess(pl.Callback):
-    """Competing work on the GPU (``kind="gpu"``) or the host CPUs (``kind="cpu"``) of the ranks ``ranks``.
+    """Competing work on the GPU (``kind="gpu"``: GEMMs; ``"gpu-memory"``: buffer copies) or the host CPUs
+    (``kind="cpu"``) of the ranks ``ranks``.
 
     ``on_s``/``off_s``: busy for ``on_s`` seconds, then idle for ``off_s`` (``off_s=0``: continuous).
     ``processes``: competing processes per rank (``cpu``: default one per CPU of the rank's affinity set, at most
@@ -104,7 +139,7 @@ class CompetingProcess(pl.Callback):
     def __init__(
         self,
         ranks: Sequence[int],
-        kind: Literal["gpu", "cpu"] = "gpu",
+        kind: Literal["gpu", "gpu-memory", "cpu"] = "gpu",
         on_s: float = 1.0,
         off_s: float = 0.0,
         processes: Optional[int] = None,
@@ -112,8 +147,8 @@ class CompetingProcess(pl.Callback):
         keep_alive: bool = False,
         start_step: int = 0,
     ) -> None:
-        if kind not in ("gpu", "cpu"):
-            raise MegatronConfigError(f"CompetingProcess(kind={kind!r}): choose 'gpu' or 'cpu'.")
+        if kind not in ("gpu", "gpu-memory", "cpu"):
+            raise MegatronConfigError(f"CompetingProcess(kind={kind!r}): choose 'gpu', 'gpu-memory' or 'cpu'.")
         if on_s <= 0 or off_s < 0:
             raise MegatronConfigError(f"CompetingProcess(on_s={on_s}, off_s={off_s}): need on_s > 0 and off_s >= 0.")
         if processes is not None and processes < 1:
@@ -137,11 +172,12 @@ class CompetingProcess(pl.Callback):
         ctx = mp.get_context("spawn")
         self._stop, self._active = ctx.Event(), ctx.Event()
         self._active.set()  # each child signals ready after its first piece of work; start_step pauses them below
-        if self.kind == "gpu":
+        if self.kind.startswith("gpu"):
             device = trainer.strategy.root_device
             if device.type != "cuda":
-                raise MegatronConfigError("CompetingProcess(kind='gpu') needs CUDA; on CPUs use kind='cpu'.")
-            target, args = _burn_gpu, (device.index, self.on_s, self.off_s, self._stop, self._active)
+                raise MegatronConfigError(f"CompetingProcess(kind={self.kind!r}) needs CUDA; on CPUs use kind='cpu'.")
+            burn = _burn_gpu if self.kind == "gpu" else _burn_gpu_memory
+            target, args = burn, (device.index, self.on_s, self.off_s, self._stop, self._active)
             count = self.processes or 1
         else:
             cpus = sorted(os.sched_getaffinity(0))
@@ -150,7 +186,7 @@ class CompetingProcess(pl.Callback):
         readies = []
         for _ in range(count):
             ready = ctx.Event()
-            extra = (self.size,) if self.kind == "gpu" else ()
+            extra = (self.size,) if self.kind.startswith("gpu") else ()
             child = ctx.Process(target=target, args=(*args, ready, *extra), daemon=True)
             child.start()
             self._children.append(child)
@@ -210,6 +246,53 @@ class CompetingProcess(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._end_of_fit()
+
+
+class HostStall(pl.Callback):
+    """The host of the ranks ``ranks`` blocks for ``delay_ms`` in one of Lightning's hooks at each step from global
+    step ``start_step`` on: the job's own Python doing blocking work (a synchronous upload of metrics, a copy of
+    a checkpoint, a garbage collection), not a neighbour.
+
+    ``hook``: ``"batch_end"`` (``on_train_batch_end``, after the step's work: with anything that waits for the
+    GPU before it, such as a logged loss, the GPU idles for the whole stall) or ``"before_optimizer_step"``
+    (inside the step, after the forward and backward are queued: a GPU with more queued work than the stall
+    hides it). Where the stall falls in MegaScan's trace depends on the callbacks' order, as for a user's own
+    callback: before MegaScan's in ``callbacks``, a ``batch_end`` stall is inside the traced step; after it,
+    in the host gap before the next step."""
+
+    HOOKS = ("batch_end", "before_optimizer_step")
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        delay_ms: float,
+        hook: Literal["batch_end", "before_optimizer_step"] = "batch_end",
+        start_step: int = 0,
+    ) -> None:
+        if delay_ms < 0:
+            raise MegatronConfigError(f"HostStall(delay_ms={delay_ms}): a delay >= 0.")
+        if hook not in self.HOOKS:
+            raise MegatronConfigError(f"HostStall(hook={hook!r}): choose one of {', '.join(self.HOOKS)}.")
+        if start_step < 0:
+            raise MegatronConfigError(f"HostStall(start_step={start_step}): a global step >= 0.")
+        self.ranks, self.delay_s, self.hook, self.start_step = set(ranks), delay_ms / 1000.0, hook, start_step
+        self.stalls = 0  # how many times this process stalled (for tests and reports)
+
+    def _stall(self, step: int) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.delay_s and rank in self.ranks and step >= self.start_step:
+            time.sleep(self.delay_s)
+            self.stalls += 1
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.hook == "before_optimizer_step":
+            self._stall(trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.hook == "batch_end":
+            self._stall(trainer.global_step - 1)  # global_step already counts this batch's step
 
 
 class SlowDataset(torch.utils.data.Dataset):

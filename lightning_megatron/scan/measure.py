@@ -513,3 +513,55 @@ def data_waits(traces: dict[int, RankTrace], cat: str = "data") -> DataWaits:
             waits.samples[rank] = list(per_step.values())
             waits.ends[rank] = end
     return waits
+
+
+def host_waits_in_steps(traces: dict[int, RankTrace]) -> DataWaits:
+    """Per rank and step: how long, inside the step's span, its GPU waited for its host (µs), in the shape of
+    ``data_waits``. A host that blocks inside the step (a user's callback uploading metrics before the step
+    ends, a garbage collection) leaves gaps between the step's traced spans in which the GPU has nothing to do.
+
+    A gap counts where the GPU reached the span after it as soon as the host queued it (``queued_us`` under
+    ``STARVED_US``): it had run out of work. A gap before a span the GPU reached late had work queued, which
+    it ran or which another process's time slices delayed (a contended GPU: not the host's doing); gaps
+    between the spans of a replayed CUDA graph are never the host's (one launch). The step's tail, after its
+    last span, counts where the GPU reached the step's end as soon as the host recorded it. Host-timed traces
+    (CPUs) have no GPU to wait: every gap in their steps is the host's."""
+    waits = DataWaits()
+    for rank, trace in traces.items():
+        on_gpu = any("queued_us" in (s.get("args") or {}) for s in trace.spans)
+        inside: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        steps = []
+        for s in trace.spans:
+            if s["cat"] == "step":
+                steps.append(s)
+            elif s["cat"] not in ("data", "host") and step_of(s) is not None:
+                inside[int(step_of(s))].append(s)  # type: ignore[arg-type]
+        per_step: dict[int, float] = {}
+        end: dict[int, float] = {}
+        for step_span in steps:
+            step = int(step_of(step_span))  # type: ignore[arg-type]
+            start, stop = step_span["ts"], step_span["ts"] + step_span["dur"]
+            cursor, waited = start, 0.0
+            for s in sorted(inside[step], key=lambda s: s["ts"]):
+                if s["ts"] > cursor and s["ts"] < stop:
+                    waited += (min(s["ts"], stop) - cursor) * _starved(s.get("args") or {}, on_gpu)
+                cursor = max(cursor, min(s["ts"] + s["dur"], stop))
+            args = step_span.get("args") or {}
+            if stop > cursor:
+                queued, enqueue = args.get("queued_us"), args.get("enqueue_us")
+                at_end = None if queued is None or enqueue is None else float(queued) + step_span["dur"] - enqueue
+                waited += (stop - cursor) * (not on_gpu or (at_end is not None and at_end < STARVED_US))
+            per_step[step] = waited
+            end[step] = stop + trace.offset_us
+        if per_step:
+            waits.samples[rank] = list(per_step.values())
+            waits.ends[rank] = end
+    return waits
+
+
+def _starved(args: dict[str, Any], on_gpu: bool) -> bool:
+    """Whether the gap before a span with these ``args`` was its GPU waiting for its host (``host_waits_in_steps``)."""
+    if not on_gpu:
+        return True
+    queued = args.get("queued_us")
+    return queued is not None and not args.get("graph") and float(queued) < STARVED_US

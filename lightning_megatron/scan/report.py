@@ -26,7 +26,8 @@ class Suspect:
     """One rank (for ``kind == "link"``: one ordered link, from ``rank`` to ``peer``) that is slower than its peers.
 
     ``slowdown`` is the excess over the peers' healthy level as a fraction (0.21: 21 % slower): of net compute
-    time, of transfer time per byte, or of data-wait time. ``evidence`` holds the numbers behind it; its
+    time, of transfer time per byte, or of data-wait time; for a host that kept its GPU waiting inside the
+    steps (``evidence["where"]``), of the step. ``evidence`` holds the numbers behind it; its
     ``impact_ms`` (time this costs per step) orders the suspects."""
 
     rank: int
@@ -191,6 +192,8 @@ def _evidence_text(suspect: Suspect) -> str:
         )
     else:
         text = e.get("rule", "")
+    if "where" in e:  # the host waits inside steps (detect._host_in_step_suspects)
+        text = f"GPU waiting for its host inside steps: {text}"
     if e.get("last_arrival_fraction") is not None:
         text += (
             f"; last at {100 * e['last_arrival_fraction']:.0f}% of its {e['collective_group']} collectives"

@@ -50,7 +50,9 @@ class StepListener:
     the step may be captured with it and replayed."""
 
     def span_start(self, name: str) -> None:
-        """A megatron-core timer started: ``forward-compute``, ``backward-compute``, ``forward-send``, ..."""
+        """A megatron-core timer started: ``forward-compute``, ``backward-compute``, ``forward-send``, ...; or one
+        of the strategy's own spans: ``data-fetch`` (the loader's ``next()``, between steps, ``TimedLoader``)
+        and ``optimizer-step`` (the optimizer's update, ``StrategyOptimizer.step``)."""
 
     def span_stop(self, name: str) -> None:
         """The timer of that name stopped."""

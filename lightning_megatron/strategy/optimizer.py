@@ -52,6 +52,9 @@ class StrategyOptimizer(torch.optim.Optimizer):
     ``zero_grad`` is a no-op on purpose: Lightning calls it after ``training_step`` returns, and by then
     the pipeline schedule has already produced this step's gradients. The strategy clears gradient
     buffers itself before each schedule run (``clear_grads``).
+
+    ``listeners``: the strategy's step listeners (``strategy.listeners``), told ``optimizer-step`` around the
+    update itself, so a tracer's span holds the update and nothing that Lightning's hooks do around it.
     """
 
     def __init__(self, user_optimizer: torch.optim.Optimizer) -> None:
@@ -63,6 +66,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
         self.clip_grad: float = 0.0
         self.last_grad_norm: Optional[float] = None
         self.last_step_skipped: bool = False
+        self.listeners: Sequence[Any] = ()  # StepListener (not imported: strategy.listeners is the contract)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -80,7 +84,14 @@ class StrategyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._update()
+        listeners = sorted(self.listeners, key=lambda listener: listener.nesting)  # as megatron's timers
+        for listener in listeners:
+            listener.span_start("optimizer-step")
+        try:
+            self._update()
+        finally:
+            for listener in reversed(listeners):
+                listener.span_stop("optimizer-step")
         return loss
 
     def _update(self) -> None:

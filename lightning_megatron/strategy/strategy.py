@@ -452,6 +452,7 @@ class MegatronAppStrategy(ParallelStrategy):
             use_distributed_optimizer=self.use_distributed_optimizer,
             extra_config=self._optimizer_config,
         )
+        optimizer.listeners = self._steps.listeners  # the list itself: listeners added later are told too
         self.optimizers = [optimizer]
         if self.precision_plugin.params_dtype == torch.float16:
             for config in {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values():
