@@ -437,7 +437,7 @@ def _host_in_step_suspects(
     (``measure.host_waits_in_steps``: a callback that blocks before the step ends), by the rules of the host gaps
     between steps: against the peers of its stage (who also ended late), and against its own earlier steps.
 
-    The healthy level of that time is near zero (25 µs per step on one H100), so a relative excess says nothing;
+    The healthy level of that time is small (1.9 ms of a 208 ms step on one H100), so a relative excess says little;
     a suspect must cost ``min_slowdown`` of the job's median step (a stall worth naming slows the job) and its
     ``slowdown`` is that share. Ranks already named ``host`` (between steps) are left out: one cause, one name."""
     if not median_step_us:
