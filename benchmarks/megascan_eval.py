@@ -21,6 +21,8 @@ between 0 and 1:
   before the next step), the same before MegaScan's (inside the traced step, after the GPU finished: the
   evaluation's step timer synchronizes first, as a logged loss would), and in ``on_before_optimizer_step``,
   behind the step's queued GPU work (which may hide it: then it must not be named wrongly);
+* ``host-stall-exposed``: the same ``on_before_optimizer_step`` stall, 125% of a clean step: longer than the
+  GPU work queued before it, so the GPU idles inside the step with no synchronisation in front of the stall;
 * ``slow-loader`` / ``slow-loader-mild``: the rank's samples take longer to read (``scan.faults.SlowDataset``),
   about 25% / 2% of a clean step per batch;
 * ``link-delay`` (PP2 only): pipeline messages from rank 0 to rank 1 arrive later, about 25% of a clean step per
@@ -78,6 +80,7 @@ EXPECTED = {  # the kinds that name a fault rightly
     "host-stall": {"host"},
     "host-stall-in-step": {"host"},
     "host-stall-hidden": {"host"},
+    "host-stall-exposed": {"host"},
     "slow-loader": {"data"},
     "slow-loader-mild": {"data"},
     "link-delay": {"link"},
@@ -88,7 +91,7 @@ MICROBATCHES = 4
 
 def cases(layout: str, gpu: bool) -> list[str]:
     names = ["clean", "cpu-contention", "slow-loader", "slow-loader-mild"]
-    names += ["host-stall", "host-stall-in-step", "host-stall-hidden"]
+    names += ["host-stall", "host-stall-in-step", "host-stall-hidden", "host-stall-exposed"]
     if gpu:
         names[1:1] = ["gpu-contention", "gpu-contention-bursty", "gpu-memory-contention"]
     if layout == "pp2":
@@ -134,8 +137,10 @@ def _callbacks(
         per_sample_ms = share * step_ms / samples
         wrap = lambda dataset: SlowDataset(dataset, per_sample_ms, [rank], after_reads=onset_step * samples)  # noqa: E731
     elif case.startswith("host-stall"):
-        hook = "before_optimizer_step" if case.endswith("hidden") else "batch_end"
-        stall = HostStall([rank], delay_ms=0.25 * step_ms, hook=hook, start_step=onset_step)
+        behind_queued_work = case.endswith(("hidden", "exposed"))
+        hook = "before_optimizer_step" if behind_queued_work else "batch_end"
+        share = 1.25 if case.endswith("exposed") else 0.25
+        stall = HostStall([rank], delay_ms=share * step_ms, hook=hook, start_step=onset_step)
         callbacks.insert(0 if case.endswith("in-step") else len(callbacks), stall)  # before or after MegaScan's
     elif case == "link-delay":
         callbacks.append(LinkDelayInjector(src=0, dst=1, delay_ms=0.25 * step_ms / MICROBATCHES))

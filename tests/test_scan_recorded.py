@@ -9,12 +9,13 @@ The faults came from outside MegaScan's own injector.
   steps, CUDA graphs, 2026-11-24, ``--layouts single --onset 0.25``), the faults beginning at step 10: clean fits,
   a competitor on the GPU in bursts, a slow loader and CPU contention. The rank's own earlier steps are the only
   baseline; with three fixed splits the rule found none of the bursty fits and two of five slow loaders.
-* ``tests/data/megascan_h100_single_host.tar.gz``: thirteen one-process fits on one H100 (``medium`` and
+* ``tests/data/megascan_h100_single_host.tar.gz``: fifteen one-process fits on one H100 (``medium`` and
   ``llama``, 34 steps, CUDA graphs, 2026-11-24, ``--layouts single``), the faults beginning at step 18: the
   job's own host blocking for a quarter of a step (``scan.faults.HostStall``) between steps, inside the traced
-  step after the GPU finished, and before the optimizer step behind queued GPU work (which hid it), and another
-  process copying buffers on the GPU. Before ``measure.host_waits_in_steps`` the stall inside steps was named
-  by nothing (a quarter of each step lost).
+  step after the GPU finished, and before the optimizer step behind queued GPU work (which hid it); the same
+  stall before the optimizer step at 125% of a step, longer than the queued work (no synchronisation before
+  it); and another process copying buffers on the GPU. Before ``measure.host_waits_in_steps`` the stalls inside
+  steps were named by nothing (a quarter of each step lost).
 """
 
 from __future__ import annotations
@@ -118,6 +119,18 @@ def test_a_host_that_blocks_inside_the_step_is_named_host(host_faults: Path, mod
         assert suspect.evidence["where"].startswith("inside steps") and 16 <= suspect.evidence["later_steps"][0] <= 20
         assert 0.15 < suspect.slowdown < 0.35 and suspect.impact_ms > 30, suspect  # the share of a step it costs
         assert "inside steps" in report.table()
+
+
+@pytest.mark.parametrize("model", ["medium", "llama"])
+def test_a_stall_longer_than_the_queued_gpu_work_is_named_host(host_faults: Path, model: str) -> None:
+    """A stall before the optimizer step with no synchronisation in front of it, 125% of a clean step: the
+    queued forward and backward hide part of it, the rest (+112 ms / +74 ms a step) idles the GPU inside the
+    step, and only that part is what it costs."""
+    report = detect(host_faults / model / "host-stall-exposed-0")
+    assert named(report) == [(0, "host")], report.table()
+    suspect = report.suspects[0]
+    assert suspect.evidence["where"].startswith("inside steps") and 16 <= suspect.evidence["later_steps"][0] <= 20
+    assert 0.2 < suspect.slowdown < 0.45 and suspect.impact_ms > 50, suspect
 
 
 def test_a_host_stall_the_gpu_hid_and_clean_fits_name_nothing(host_faults: Path) -> None:

@@ -196,8 +196,9 @@ def detect(
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us, notes)
     for kind, waits in (("data", data_waits(traces)), ("host", data_waits(traces, "host"))):
-        suspects += _data_suspects(traces, per_rank, waits, min_slowdown, min_z, min_impact_us, kind)
-        suspects += _history_suspects(traces, per_rank, waits, suspects, min_slowdown, min_impact_us, kind)
+        found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, min_impact_us, kind)
+        found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, min_impact_us, kind)
+        suspects += _as_share_of_step(found, median_step_us)
     suspects += _host_in_step_suspects(traces, per_rank, suspects, median_step_us, min_slowdown, min_z)
     suspects = _fold_consequences(suspects)
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
@@ -452,9 +453,19 @@ def _host_in_step_suspects(
     found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, bar_us, "host")
     found += _history_suspects(traces, per_rank, waits, found, min_slowdown, bar_us, "host")
     for suspect in found:
-        suspect.slowdown = round(suspect.evidence["impact_ms"] * 1000 / median_step_us, 4)
         suspect.evidence["where"] = "inside steps: the GPU waited for the host"
-    return found
+    return _as_share_of_step(found, median_step_us)
+
+
+def _as_share_of_step(suspects: list[Suspect], median_step_us: float) -> list[Suspect]:
+    """Waits (fetches, host gaps) are reported as the share of the job's median step they cost: their healthy
+    level is near zero, so their own relative excess is huge and says nothing about the job (a 50 ms stall after
+    a 0.9 ms gap read "+5360%"). That excess stays in ``evidence["wait_excess"]``."""
+    for suspect in suspects:
+        suspect.evidence["wait_excess"] = suspect.slowdown
+        if median_step_us:
+            suspect.slowdown = round(suspect.evidence["impact_ms"] * 1000 / median_step_us, 4)
+    return suspects
 
 
 def _lateness(rank: int, members: Sequence[int], ends: dict[int, dict[int, float]]) -> float:

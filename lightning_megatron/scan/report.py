@@ -25,10 +25,11 @@ KINDS = ("compute", "link", "data", "host")  # what a Suspect can be
 class Suspect:
     """One rank (for ``kind == "link"``: one ordered link, from ``rank`` to ``peer``) that is slower than its peers.
 
-    ``slowdown`` is the excess over the peers' healthy level as a fraction (0.21: 21 % slower): of net compute
-    time, of transfer time per byte, or of data-wait time; for a host that kept its GPU waiting inside the
-    steps (``evidence["where"]``), of the step. ``evidence`` holds the numbers behind it; its
-    ``impact_ms`` (time this costs per step) orders the suspects."""
+    ``slowdown`` is a fraction (0.21: 21 % slower): for ``compute`` and ``link``, the excess over the healthy level
+    of net compute time or of transfer time per byte; for ``data`` and ``host``, whose healthy waits are near
+    zero, the share of the job's median step that the wait costs (its own relative excess is in
+    ``evidence["wait_excess"]``). ``evidence`` holds the numbers behind it; its ``impact_ms`` (time this costs
+    per step) orders the suspects."""
 
     rank: int
     dp: int
