@@ -16,6 +16,8 @@ between 0 and 1:
 * ``gpu-memory-contention``: another process copying 512 MiB buffers on the rank's GPU, continuously
   (bandwidth-bound kernels instead of GEMMs; ``CompetingProcess(kind="gpu-memory")``; GPUs only);
 * ``cpu-contention``: spinning processes on the rank's CPUs (its affinity set);
+* ``cpu-contention-stress-ng``: the same CPUs loaded by ``stress-ng --cpu`` (a tool we did not write,
+  ``outside_faults.StressNg``), where ``stress-ng`` is installed;
 * ``host-stall`` / ``host-stall-in-step`` / ``host-stall-hidden``: the rank's own Python blocks for about 25% of a
   clean step per step (``scan.faults.HostStall``): in ``on_train_batch_end`` after MegaScan's (the host gap
   before the next step), the same before MegaScan's (inside the traced step, after the GPU finished: the
@@ -58,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from megascan_overhead import CPU_MODEL, GPU_MODELS, MICRO_BATCH, fit_once  # noqa: E402  (benchmarks/ is on the path)
+from outside_faults import StressNg, stress_ng_available  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +80,7 @@ EXPECTED = {  # the kinds that name a fault rightly
     "gpu-contention-bursty": {"compute"},
     "gpu-memory-contention": {"compute"},
     "cpu-contention": {"host", "compute"},
+    "cpu-contention-stress-ng": {"host", "compute"},
     "host-stall": {"host"},
     "host-stall-in-step": {"host"},
     "host-stall-hidden": {"host"},
@@ -92,6 +96,8 @@ MICROBATCHES = 4
 def cases(layout: str, gpu: bool) -> list[str]:
     names = ["clean", "cpu-contention", "slow-loader", "slow-loader-mild"]
     names += ["host-stall", "host-stall-in-step", "host-stall-hidden", "host-stall-exposed"]
+    if stress_ng_available():
+        names.insert(2, "cpu-contention-stress-ng")
     if gpu:
         names[1:1] = ["gpu-contention", "gpu-contention-bursty", "gpu-memory-contention"]
     if layout == "pp2":
@@ -142,15 +148,33 @@ def _callbacks(
         share = 1.25 if case.endswith("exposed") else 0.25
         stall = HostStall([rank], delay_ms=share * step_ms, hook=hook, start_step=onset_step)
         callbacks.insert(0 if case.endswith("in-step") else len(callbacks), stall)  # before or after MegaScan's
+    elif case == "cpu-contention-stress-ng":
+        callbacks.append(StressNg(rank, start_step=onset_step))
     elif case == "link-delay":
         callbacks.append(LinkDelayInjector(src=0, dst=1, delay_ms=0.25 * step_ms / MICROBATCHES))
     return callbacks, wrap
+
+
+def _pin_cpus() -> None:
+    """CPU runs: each rank on CPUs of its own (an equal share, where there are at least as many CPUs as ranks), so
+    a fault on one rank's CPUs competes with that rank alone, as it would on a GPU host."""
+    import torch
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // world
+    if share >= 1:
+        os.sched_setaffinity(0, cpus[rank * share : (rank + 1) * share])
+        torch.set_num_threads(share)
 
 
 def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from lightning_megatron.scan import MegaScan
+
+    if spec["accelerator"] == "cpu":
+        _pin_cpus()
 
     steps, runs = spec["steps"], spec["runs"]
     records: list[dict[str, Any]] = []
