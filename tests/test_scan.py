@@ -285,8 +285,9 @@ class _SlowOnOneRank(torch.utils.data.Dataset):
 
 
 def data_fault_fit(trace_dir: str, fault: str) -> dict[str, Any]:
-    """DP2 × PP2, rank 1 slowed between steps: its loader (``"loader"``: 5 ms per sample, 40 ms per batch) or
-    host work in a hook (``"host"``: 40 ms, not data)."""
+    """DP2 × PP2, rank 1 slowed between steps: its loader (``"loader"``: 5 ms per sample, 40 ms per batch), host
+    work in a hook after the fetch (``"host"``: 40 ms, not data), or a stall after MegaScan's batch end, before
+    Lightning's synchronisation of the ranks (``"stall"``: 40 ms, ``scan.faults.HostStall``)."""
     import lightning.pytorch as pl
 
     from lightning_megatron.data import SyntheticTokenDataModule
@@ -302,9 +303,12 @@ def data_fault_fit(trace_dir: str, fault: str) -> dict[str, Any]:
             if fault == "host" and trainer.global_rank == 1:
                 time.sleep(0.04)
 
+    from lightning_megatron.scan.faults import HostStall
+
     scan = MegaScan(trace_dir, interval=1, window=1, detect_options=CPU_THRESHOLDS)
     data = Data(vocab_size=128, seq_length=16, global_batch_size=16, num_train_samples=256)
-    cases.fit_gpt(WORLD, steps=8, callbacks=[HostWork(), scan], datamodule=data, **DP2_PP2)
+    stall = [HostStall([1], delay_ms=40)] if fault == "stall" else []
+    cases.fit_gpt(WORLD, steps=8, callbacks=[HostWork(), scan, *stall], datamodule=data, **DP2_PP2)
     return {"report": json.loads(scan.report.to_json())}
 
 
@@ -315,3 +319,16 @@ def test_data_time_is_the_fetch_not_the_gap_between_steps(ranks: Any, tmp_path: 
     assert suspects(loader[0]).get(1) == "data", loader[0]["report"]
     host = ranks.run(WORLD, data_fault_fit, str(tmp_path / "host"), "host", timeout=300)
     assert "data" not in suspects(host[0]).values(), host[0]["report"]
+
+
+def test_a_stall_before_the_ranks_synchronise_is_named_host(ranks: Any, tmp_path: Path) -> None:
+    """Rank 1's host blocks between steps, before Lightning's per-batch synchronisation of the ranks: every rank's
+    gap ends together (the others wait the stall out at that synchronisation), so only the ``step-sync`` spans
+    say who kept whom waiting. Before they were traced this was named by nothing (0 of 15 CPU runs)."""
+    from lightning_megatron.scan.detect import read_traces
+
+    stall = ranks.run(WORLD, data_fault_fit, str(tmp_path / "stall"), "stall", timeout=300)
+    assert suspects(stall[0]) == {1: "host"}, stall[0]["report"]
+    traces = read_traces(tmp_path / "stall", [], None)
+    syncs = {rank: [s for s in trace.spans if s["cat"] == "sync"] for rank, trace in traces.items()}
+    assert all(len(spans) >= 5 and spans[0]["name"] == "step-sync" for spans in syncs.values()), syncs

@@ -168,6 +168,8 @@ class MegaScan(pl.Callback, StepListener):
         self._last_batch_end: Optional[float] = None
         self._fetch_started: Optional[float] = None
         self._fetches: list[tuple[float, float]] = []  # the loader's fetches since the last step ended
+        self._sync_started: Optional[float] = None
+        self._syncs: list[tuple[float, float]] = []  # Lightning's synchronisations of the ranks since then
         self._clock_group: Any = None
         self._profiler: Optional[StepProfiler] = None
         self._busy_blocked = False
@@ -324,7 +326,9 @@ class MegaScan(pl.Callback, StepListener):
             recorder.add("host-gap", "host", TID["host"], self._last_batch_end, now, {"step": step})
         for start, end in self._fetches:  # the fetches since the last step: data time is the loader's own time
             recorder.add("data-fetch", "data", TID["host"], start, end, {"step": step})
-        self._fetches = []
+        for start, end in self._syncs:  # waiting there is waiting for the other ranks, not the host's own time
+            recorder.add("step-sync", "sync", TID["host"], start, end, {"step": step})
+        self._fetches, self._syncs = [], []
         args = {"step": step, "profiled": True} if step in self.profile_steps else {"step": step}
         self._step_span = recorder.open(f"step {step}", "step", TID["steps"], args)
 
@@ -367,7 +371,7 @@ class MegaScan(pl.Callback, StepListener):
         if self._profiler is not None:  # saving a trace takes a while: before the next host gap starts
             self._profiler.end()
         self._last_batch_end = now_us()
-        self._fetches = []  # what the loader fetches from here on belongs to the gap before the next step
+        self._fetches, self._syncs = [], []  # what comes from here on belongs to the gap before the next step
 
     def _detect_online(self, trainer: pl.Trainer, step: int) -> None:
         """Detection over the recent steps, during the fit (every rank calls this at the same step)."""
@@ -416,6 +420,9 @@ class MegaScan(pl.Callback, StepListener):
         if name == "data-fetch":  # between steps: kept until the next step is known to be traced
             self._fetch_started = now_us()
             return
+        if name == "step-sync":  # the same
+            self._sync_started = now_us()
+            return
         recorder = self._recorder
         if recorder is None or not recorder.active:
             return
@@ -437,6 +444,11 @@ class MegaScan(pl.Callback, StepListener):
             if self._fetch_started is not None:
                 self._fetches.append((self._fetch_started, now_us()))
                 self._fetch_started = None
+            return
+        if name == "step-sync":
+            if self._sync_started is not None:
+                self._syncs.append((self._sync_started, now_us()))
+                self._sync_started = None
             return
         stack = self._open.get(name)
         if stack and self._recorder is not None:

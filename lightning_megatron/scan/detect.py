@@ -45,7 +45,10 @@ the time its peers spend on the *same* work, after taking the waiting out:
 * **host inside steps**: on GPUs without busy time, a compute suspect whose GPU reached most spans as soon as the
   host queued them (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
 * **host**: the same rule on the host's gaps between steps (``host-gap``: Lightning's per-step work, logging,
-  callbacks): a rank whose host is slow (CPU contention) ends them late; and against its own earlier steps;
+  callbacks), less the fetches and the waits at Lightning's per-batch synchronisation of the ranks
+  (``step-sync``): a rank whose host is slow (CPU contention) ends them late, or keeps the others waiting at
+  that synchronisation (a stall before it ends every rank's gap together: only the waits say who was late,
+  clock-free); and against its own earlier steps;
 * **host inside steps**: the time a rank's GPU waited for its host between the step's traced spans (a callback
   that blocks before the step ends), by the same two rules, where it costs ``min_slowdown`` of a step.
 
@@ -373,6 +376,10 @@ def _data_suspects(
                 late_us = _lateness(rank, stage, ends)
                 # the clock alignment is only good to its uncertainty: lateness within it is no evidence either way
                 tolerance = max(clock_sigma(traces[rank], traces[m]) for m in stage)
+                if kind == "host" and all(m in waits.synced for m in stage):
+                    # A stall before Lightning's synchronisation of the ranks ends every rank's gap together:
+                    # the others waited it out there, which says who was late without any clock.
+                    late_us = max(late_us, _sync_lateness(rank, stage, waits.synced))
                 if late_us + 2 * tolerance < 0.5 * excess_us:
                     continue  # mostly waiting for the others, not loading
                 impact_us = min(excess_us, max(late_us, 0.0) + 2 * tolerance)
@@ -477,6 +484,18 @@ def _lateness(rank: int, members: Sequence[int], ends: dict[int, dict[int, float
         if others:
             late.append(end - lower_half_median(others))
     return statistics.median(late) if late else math.inf
+
+
+def _sync_lateness(rank: int, members: Sequence[int], synced: dict[int, dict[int, float]]) -> float:
+    """Median over steps of how much longer the rank's peers waited (their median) at Lightning's synchronisation
+    of the ranks between two steps than the rank itself did: the time they spent waiting for it. Clock-free:
+    each wait is a duration on its own rank's clock."""
+    late = []
+    for step, own in synced[rank].items():
+        others = [synced[m][step] for m in members if m != rank and step in synced[m]]
+        if others:
+            late.append(statistics.median(others) - own)
+    return statistics.median(late) if late else -math.inf
 
 
 # ----------------------------------------------------------------------------------------------- CLI

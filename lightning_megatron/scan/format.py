@@ -34,6 +34,8 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
   ``grad_sync``           ``grad-sync``                          step
   ``optimizer``           ``optimizer-step``                     step
   ``data``                ``data-fetch`` (the loader's ``next``) step (of the step it precedes)
+  ``sync``                ``step-sync`` (Lightning's per-batch   step (of the step it precedes)
+                          synchronisation of the ranks)
   ``host``                ``host-gap`` (between two steps)       step; older traces: ``data`` / ``data-wait``
   ======================  =====================================  ==================================================
 

@@ -488,27 +488,32 @@ def clock_sigma(a: RankTrace, b: RankTrace) -> float:
 @dataclass
 class DataWaits:
     """Per rank that has ``data`` spans: its data-wait time (µs) of each step, and when (aligned clock, µs) the
-    step's last wait ended."""
+    step's last wait ended. Host gaps also give ``synced``: per rank and step, how long it waited at Lightning's
+    synchronisation of the ranks in that gap (``step-sync``; absent in traces made before it was traced)."""
 
     samples: dict[int, list[float]] = field(default_factory=dict)
     ends: dict[int, dict[int, float]] = field(default_factory=dict)
+    synced: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
 def data_waits(traces: dict[int, RankTrace], cat: str = "data") -> DataWaits:
-    """``cat="data"``: the loader's fetches; ``cat="host"``: the host's gaps between steps (same shape)."""
+    """``cat="data"``: the loader's fetches; ``cat="host"``: the host's gaps between steps (same shape), less the
+    fetches (data time) and the waits at Lightning's synchronisation of the ranks (time spent on the others)."""
     waits = DataWaits()
     for rank, trace in traces.items():
         per_step: dict[int, float] = defaultdict(float)
         end: dict[int, float] = {}
-        # a host gap holds the loader's fetches: those are data time, not the host's
-        fetches = merge_intervals(
-            (s["ts"], s["ts"] + s["dur"]) for s in trace.spans if cat == "host" and s["cat"] == "data"
+        taken = merge_intervals(
+            (s["ts"], s["ts"] + s["dur"]) for s in trace.spans if cat == "host" and s["cat"] in ("data", "sync")
         )
         for s in trace.spans:
             if s["cat"] == cat:
                 step = int(step_of(s))  # type: ignore[arg-type]
-                per_step[step] += s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], fetches)
+                per_step[step] += s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], taken)
                 end[step] = max(end.get(step, -math.inf), s["ts"] + s["dur"] + trace.offset_us)
+            elif s["cat"] == "sync" and cat == "host":
+                synced = waits.synced.setdefault(rank, defaultdict(float))
+                synced[int(step_of(s))] += s["dur"]  # type: ignore[arg-type]
         if per_step:
             waits.samples[rank] = list(per_step.values())
             waits.ends[rank] = end

@@ -51,8 +51,10 @@ class StepListener:
 
     def span_start(self, name: str) -> None:
         """A megatron-core timer started: ``forward-compute``, ``backward-compute``, ``forward-send``, ...; or one
-        of the strategy's own spans: ``data-fetch`` (the loader's ``next()``, between steps, ``TimedLoader``)
-        and ``optimizer-step`` (the optimizer's update, ``StrategyOptimizer.step``)."""
+        of the strategy's own spans: ``data-fetch`` (the loader's ``next()``, between steps, ``TimedLoader``),
+        ``step-sync`` (Lightning's synchronisation of the ranks before each batch, between steps,
+        ``compat.lightning.announce_step_sync``) and ``optimizer-step`` (the optimizer's update,
+        ``StrategyOptimizer.step``)."""
 
     def span_stop(self, name: str) -> None:
         """The timer of that name stopped."""

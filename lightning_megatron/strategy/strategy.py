@@ -36,7 +36,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
-from lightning_megatron.compat.lightning import ScriptLauncher
+from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sync
 from lightning_megatron.compat.megatron import initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
@@ -401,6 +401,8 @@ class MegatronAppStrategy(ParallelStrategy):
         chunks = validated_chunks(self.lightning_module, self.layout.num_chunks, self.parallel.config_kwargs())
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # Lightning's per-batch synchronisation of the ranks, told to step listeners as ``step-sync``
+            announce_step_sync(trainer, self._steps.listeners)
         wrapped_before = [unwrap(c) for c in self._chunks]
         needs_ddp = fitting and not all(isinstance(c, DistributedDataParallel) for c in self._chunks)
         if fitting and self._graphs:
