@@ -33,6 +33,7 @@ STYLE = {
     "grad_sync": ("gradient sync", "#937860"),
     "optimizer": ("optimizer", "#8C8C8C"),
     "data": ("data fetch", "#CCB974"),
+    "sync": ("ranks' per-batch sync", "#64B5CD"),
 }
 STREAMS = {1: "compute", 2: "comm", 3: "host", 4: "layers"}
 
