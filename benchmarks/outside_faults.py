@@ -42,7 +42,6 @@ class StressNg(pl.Callback):
             raise ValueError(f"StressNg(cpu_load={cpu_load}): a percentage from 1 to 100")
         self.rank, self.start_step, self.cpu_load = rank, start_step, cpu_load
         self._process: Optional[subprocess.Popen] = None
-        atexit.register(self.stop)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -52,6 +51,7 @@ class StressNg(pl.Callback):
             argv = [STRESS_NG, "--cpu", str(len(cpus)), "--cpu-load", str(self.cpu_load)]
             argv += ["--taskset", ",".join(map(str, cpus)), "--timeout", f"{TIMEOUT_S}s", "--quiet"]
             self._process = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL)
+            atexit.register(self.stop)  # while it runs only: a finished instance is not kept alive by atexit
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stop()
@@ -64,7 +64,10 @@ class StressNg(pl.Callback):
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        if process.poll() is not None:
             return
         try:
             os.killpg(process.pid, signal.SIGKILL)  # the stressors are its children, in its process group

@@ -24,6 +24,7 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -113,6 +114,8 @@ class WorkerGroup:
     ) -> None:
         self.world_size = world_size
         self.port = free_port()
+        # a folder of its own is removed at shutdown (a failed case already quoted the logs' tails)
+        self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"lm-ranks{world_size}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ctx = mp.get_context("fork")
@@ -210,6 +213,8 @@ class WorkerGroup:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=5)
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 class WorkerPool:

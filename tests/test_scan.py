@@ -284,10 +284,12 @@ class _SlowOnOneRank(torch.utils.data.Dataset):
         return self.inner[index]
 
 
-def data_fault_fit(trace_dir: str, fault: str) -> dict[str, Any]:
-    """DP2 × PP2, rank 1 slowed between steps: its loader (``"loader"``: 5 ms per sample, 40 ms per batch), host
-    work in a hook after the fetch (``"host"``: 40 ms, not data), or a stall after MegaScan's batch end, before
-    Lightning's synchronisation of the ranks (``"stall"``: 40 ms, ``scan.faults.HostStall``)."""
+def data_fault_fit(trace_dir: str, fault: str, layout: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """DP2 × PP2 (or ``layout``), rank 1 slowed between steps: its loader (``"loader"``: 5 ms per sample, 40 ms per
+    batch), host work in a hook after the fetch (``"host"``: 40 ms, not data), or a stall after MegaScan's batch
+    end, before Lightning's synchronisation of the ranks (``"stall"``: 40 ms, ``scan.faults.HostStall``); or
+    inside the step, before its optimizer step (``"stall-in-step"``: 600 ms, more than the
+    thresholds of these noisy 4-rank runs, 60% of the job's step)."""
     import lightning.pytorch as pl
 
     from lightning_megatron.data import SyntheticTokenDataModule
@@ -307,8 +309,11 @@ def data_fault_fit(trace_dir: str, fault: str) -> dict[str, Any]:
 
     scan = MegaScan(trace_dir, interval=1, window=1, detect_options=CPU_THRESHOLDS)
     data = Data(vocab_size=128, seq_length=16, global_batch_size=16, num_train_samples=256)
-    stall = [HostStall([1], delay_ms=40)] if fault == "stall" else []
-    cases.fit_gpt(WORLD, steps=8, callbacks=[HostWork(), scan, *stall], datamodule=data, **DP2_PP2)
+    stall = {
+        "stall": [HostStall([1], delay_ms=40)],
+        "stall-in-step": [HostStall([1], delay_ms=600, hook="before_optimizer_step")],
+    }.get(fault, [])
+    cases.fit_gpt(WORLD, steps=8, callbacks=[HostWork(), scan, *stall], datamodule=data, **(layout or DP2_PP2))
     return {"report": json.loads(scan.report.to_json())}
 
 
@@ -332,3 +337,14 @@ def test_a_stall_before_the_ranks_synchronise_is_named_host(ranks: Any, tmp_path
     traces = read_traces(tmp_path / "stall", [], None)
     syncs = {rank: [s for s in trace.spans if s["cat"] == "sync"] for rank, trace in traces.items()}
     assert all(len(spans) >= 5 and spans[0]["name"] == "step-sync" for spans in syncs.values()), syncs
+
+
+def test_a_stall_before_a_collective_in_the_step_is_named_host(ranks: Any, tmp_path: Path) -> None:
+    """At TP2 × PP2, rank 1's host blocks before its optimizer step: its tensor-parallel peer waits the stall out in
+    the optimizer's all-reduce, so both steps end together and the aligned clocks see no lateness; the peer's longer
+    waits inside the step say who kept whom waiting (``waits.host_waits_in_steps``: ``synced``). Before, this was
+    named by nothing (0 of 10 CPU runs at TP2)."""
+    stall = ranks.run(WORLD, data_fault_fit, str(tmp_path / "stall"), "stall-in-step", TP2_PP2, timeout=300)
+    assert suspects(stall[0]) == {1: "host"}, stall[0]["report"]
+    (suspect,) = stall[0]["report"]["suspects"]
+    assert suspect["evidence"]["where"].startswith("inside steps") and suspect["evidence"]["late_ms"] > 300, suspect

@@ -341,12 +341,13 @@ def test_robust_statistics() -> None:
 def test_module_boundaries() -> None:
     """Detection imports only ``format`` within ``scan`` (the callback imports it, not the other way): the rules
     (``detect``) use measuring, comparing and reporting; measuring reads ``format`` and fills ``report``'s
-    per-rank summaries; comparing and reporting import nothing."""
+    per-rank summaries (``waits`` measures on what it read); comparing and reporting import nothing."""
     expected = {
-        "detect": {"compare", "compute_rules", "gpu_measure", "measure", "report", "stage_rules"},
+        "detect": {"compare", "compute_rules", "gpu_measure", "measure", "report", "stage_rules", "waits"},
         "compute_rules": {"compare", "gpu_measure", "measure", "report"},
-        "stage_rules": {"compare", "compute_rules", "measure", "report"},
+        "stage_rules": {"compare", "compute_rules", "measure", "report", "waits"},
         "measure": {"format", "report"},
+        "waits": {"measure"},
         "gpu_measure": {"measure"},
         "compare": set(),
         "report": set(),

@@ -1,5 +1,5 @@
-"""Detection on traces recorded on GPUs, not generated, kept by ``benchmarks/megascan_eval.py --keep-traces``.
-The faults came from outside MegaScan's own injector.
+"""Detection on traces recorded on GPUs and CPUs, not generated, kept by ``benchmarks/megascan_eval.py
+--keep-traces``. The faults came from outside MegaScan's own injector.
 
 * ``tests/data/megascan_h200_pp2.tar.gz``: four fits on 2x H200 (a 16-layer, 2048-wide GPT at PP2, every step
   traced with layer spans, 2026-11-23): another process multiplying matrices on rank 0's GPU, processes spinning
@@ -16,6 +16,12 @@ The faults came from outside MegaScan's own injector.
   stall before the optimizer step at 125% of a step, longer than the queued work (no synchronisation before
   it); and another process copying buffers on the GPU. Before ``measure.host_waits_in_steps`` the stalls inside
   steps were named by nothing (a quarter of each step lost).
+* ``tests/data/megascan_cpu_pp2.tar.gz``: seven fits of the tiny CPU GPT at PP2 on this 2-vCPU machine (each
+  stage pinned to one vCPU, 14 steps, layer spans, 2026-11-24, ``--cpu --layouts pp2``), the faults from the
+  first step: two clean fits, processes spinning on one stage's vCPU (Python, and ``stress-ng``), the stage's
+  host blocking between steps and before its optimizer step, and (the injector) a delayed link. Both stages are
+  alone in their stage: before the cross-stage rules on means and host waits none but the link and the loaders
+  were named (1 of 30 contention and host-stall fits), and a delayed link also named its sender ``compute``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ def host_faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _extracted(tmp_path_factory, "megascan_h100_single_early.tar.gz", "single")
+
+
+@pytest.fixture(scope="module")
+def cpu_pp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _extracted(tmp_path_factory, "megascan_cpu_pp2.tar.gz", "pp2")
 
 
 def named(report) -> list[tuple[int, str]]:
@@ -149,3 +160,33 @@ def test_other_host_and_gpu_faults_keep_their_names(host_faults: Path) -> None:
     assert named(report) == [(0, "host")] and "where" not in report.suspects[0].evidence, report.table()
     report = detect(host_faults / "medium" / "gpu-memory-contention-0")
     assert named(report) == [(0, "compute")], report.table()
+
+
+def test_lone_cpu_stages_name_nothing_when_clean(cpu_pp2: Path) -> None:
+    """``clean-3``: the first stage's typical layer is 10% slower than the second's (two processes on a VM's two
+    vCPUs are not independent), under the CPU stage margin."""
+    for fit in ("clean-0", "clean-3"):
+        assert named(detect(cpu_pp2 / fit)) == [], fit
+
+
+def test_cpu_contention_on_a_lone_stage_is_named_compute(cpu_pp2: Path) -> None:
+    """Time slices taken by another process hit few layer spans hard: the median layer part moved by +7%, the mean
+    by +58% (``stage_rules``: a typical layer per step from the parts' means)."""
+    for fit, rank in (("cpu-contention-0", 0), ("cpu-contention-stress-ng-3", 1)):
+        report = detect(cpu_pp2 / fit)
+        assert named(report) == [(rank, "compute")], (fit, report.suspects)
+        assert report.suspects[0].evidence["across_stages"]
+
+
+def test_a_lone_stage_whose_host_stalls_is_named_host(cpu_pp2: Path) -> None:
+    """Between steps (``host-stall-1``: the other stage waits it out at Lightning's synchronisation) and before the
+    optimizer step (``host-stall-hidden-0``: inside the step), compared with the other stage's host waits."""
+    for fit, rank in (("host-stall-1", 1), ("host-stall-hidden-0", 0)):
+        report = detect(cpu_pp2 / fit)
+        assert named(report) == [(rank, "host")], (fit, report.suspects)
+        assert report.suspects[0].evidence["across_stages"] and report.suspects[0].slowdown > 0.15
+
+
+def test_a_delayed_link_does_not_also_make_its_sender_a_slow_stage(cpu_pp2: Path) -> None:
+    report = detect(cpu_pp2 / "link-delay-0")
+    assert named(report) == [(0, "link")], report.suspects

@@ -229,6 +229,22 @@ def comparison_evidence(c: Comparison, peers: int, impact_us: float, summary: Ra
     }
 
 
+def wait_evidence(c: Comparison, late_us: float, peers: int, impact_us: float, summary: RankSummary) -> dict[str, Any]:
+    """The evidence of a wait suspect (``data``, ``host``) named on a ``compare_with_peers`` comparison of waits per
+    step; ``late_us``: how late the rank was against those it was compared with (``nan``: not measured)."""
+    return {
+        "median_ms": c.median / 1000,
+        "baseline_ms": c.baseline / 1000,
+        "late_ms": late_us / 1000 if math.isfinite(late_us) else None,
+        "z": round(c.z, 2),
+        "superiority": round(c.superiority, 3),
+        "steps": c.n,
+        "peers": peers,
+        "impact_ms": impact_us / 1000,
+        "step_ms": summary.step_ms,
+    }
+
+
 def make_suspect(
     trace: RankTrace, kind: str, slowdown: float, evidence: dict[str, Any], peer: Optional[int] = None
 ) -> Suspect:

@@ -2,9 +2,9 @@
 
 The contract: a trace directory in, a ``DetectionReport`` out; this module holds the rules that decide what is
 slow (who is compared with whom, the thresholds, the lateness rule) and the CLI; the compute rules are in
-``scan.compute_rules`` (peers) and ``scan.stage_rules`` (lone pipeline stages). ``scan.measure`` turns the
-rank files into measurements, ``scan.compare`` compares a member with its peers statistically, and
-``scan.report`` holds (and prints, serialises, logs) the result.
+``scan.compute_rules`` (peers) and ``scan.stage_rules`` (lone pipeline stages). ``scan.measure`` and
+``scan.waits`` turn the rank files into measurements, ``scan.compare`` compares a member with its peers
+statistically, and ``scan.report`` holds (and prints, serialises, logs) the result.
 
 In synchronous training one slow GPU, one slow link or one slow data loader delays every rank: the others wait
 for it inside collectives and pipeline sends/receives, so their *step* times are all equally long and say
@@ -102,17 +102,15 @@ from lightning_megatron.scan.compute_rules import (
     own_history_suspects,
     peer_groups,
     step_suspects,
+    wait_evidence,
 )
 from lightning_megatron.scan.gpu_measure import busy_times, host_pacing
 from lightning_megatron.scan.measure import (
-    DataWaits,
     Link,
     RankTrace,
     Transfer,
     clock_sigma,
     collective_arrivals,
-    data_waits,
-    host_waits_in_steps,
     keep_finished_steps,
     layer_parts_per_step,
     link_transfers,
@@ -122,7 +120,12 @@ from lightning_megatron.scan.measure import (
     summarize,
 )
 from lightning_megatron.scan.report import KINDS, DetectionReport, RankSummary, Suspect, log_to
-from lightning_megatron.scan.stage_rules import cross_stage_step_suspects, cross_stage_suspects
+from lightning_megatron.scan.stage_rules import (
+    cross_stage_step_suspects,
+    cross_stage_suspects,
+    cross_stage_wait_suspects,
+)
+from lightning_megatron.scan.waits import DataWaits, data_waits, host_waits_in_steps, waited_for
 
 # the report's names and three statistics helpers were defined here before measuring, comparing and reporting
 # became modules of their own; they stay importable from here
@@ -200,6 +203,10 @@ def detect(
     suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us, notes)
     for kind, waits in (("data", data_waits(traces)), ("host", data_waits(traces, "host"))):
         found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, min_impact_us, kind)
+        if kind == "host":
+            found += cross_stage_wait_suspects(
+                traces, per_rank, waits, min_slowdown * median_step_us, min_slowdown, min_z
+            )
         found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, min_impact_us, kind)
         suspects += _as_share_of_step(found, median_step_us)
     suspects += _host_in_step_suspects(traces, per_rank, suspects, median_step_us, min_slowdown, min_z)
@@ -377,9 +384,10 @@ def _data_suspects(
                 # the clock alignment is only good to its uncertainty: lateness within it is no evidence either way
                 tolerance = max(clock_sigma(traces[rank], traces[m]) for m in stage)
                 if kind == "host" and all(m in waits.synced for m in stage):
-                    # A stall before Lightning's synchronisation of the ranks ends every rank's gap together:
-                    # the others waited it out there, which says who was late without any clock.
-                    late_us = max(late_us, _sync_lateness(rank, stage, waits.synced))
+                    # A stall before the ranks synchronise (Lightning's per-batch synchronisation between steps,
+                    # a collective inside them) ends every rank's wait together: the others waited it out there,
+                    # which says who was late without any clock.
+                    late_us = max(late_us, waited_for(rank, stage, waits.synced))
                 if late_us + 2 * tolerance < 0.5 * excess_us:
                     continue  # mostly waiting for the others, not loading
                 impact_us = min(excess_us, max(late_us, 0.0) + 2 * tolerance)
@@ -390,17 +398,7 @@ def _data_suspects(
                 impact_us = excess_us
             if impact_us < min_impact_us:
                 continue
-            evidence = {
-                "median_ms": c.median / 1000,
-                "baseline_ms": c.baseline / 1000,
-                "late_ms": late_us / 1000 if math.isfinite(late_us) else None,
-                "z": round(c.z, 2),
-                "superiority": round(c.superiority, 3),
-                "steps": c.n,
-                "peers": len(members) - 1,
-                "impact_ms": impact_us / 1000,
-                "step_ms": per_rank[rank].step_ms,
-            }
+            evidence = wait_evidence(c, late_us, len(members) - 1, impact_us, per_rank[rank])
             suspects.append(make_suspect(traces[rank], kind, c.excess, evidence))
     return suspects
 
@@ -453,11 +451,11 @@ def _host_in_step_suspects(
     named = {s.rank for s in suspects if s.kind == "host"}
     waits = host_waits_in_steps(traces)
     waits = DataWaits(
-        {r: v for r, v in waits.samples.items() if r not in named},
-        {r: v for r, v in waits.ends.items() if r not in named},
+        *({r: v for r, v in part.items() if r not in named} for part in (waits.samples, waits.ends, waits.synced))
     )
     bar_us = min_slowdown * median_step_us
     found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, bar_us, "host")
+    found += cross_stage_wait_suspects(traces, per_rank, waits, bar_us, min_slowdown, min_z)
     found += _history_suspects(traces, per_rank, waits, found, min_slowdown, bar_us, "host")
     for suspect in found:
         suspect.evidence["where"] = "inside steps: the GPU waited for the host"
@@ -484,18 +482,6 @@ def _lateness(rank: int, members: Sequence[int], ends: dict[int, dict[int, float
         if others:
             late.append(end - lower_half_median(others))
     return statistics.median(late) if late else math.inf
-
-
-def _sync_lateness(rank: int, members: Sequence[int], synced: dict[int, dict[int, float]]) -> float:
-    """Median over steps of how much longer the rank's peers waited (their median) at Lightning's synchronisation
-    of the ranks between two steps than the rank itself did: the time they spent waiting for it. Clock-free:
-    each wait is a duration on its own rank's clock."""
-    late = []
-    for step, own in synced[rank].items():
-        others = [synced[m][step] for m in members if m != rank and step in synced[m]]
-        if others:
-            late.append(statistics.median(others) - own)
-    return statistics.median(late) if late else -math.inf
 
 
 # ----------------------------------------------------------------------------------------------- CLI

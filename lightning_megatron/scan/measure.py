@@ -24,8 +24,6 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   aligned clock (the transfer cannot start before both sides are there); a send alone in its span measures it
   on one clock instead where that is unambiguous (``transfer_us``). Each transfer records its size, whether it
   rests on two clocks, and whether both ends were alone in their spans (nothing else can have stretched it);
-* **data waits** (``data_waits``): the time in ``data`` spans per step, and when the step's last one ended on
-  the aligned clock;
 * **step totals** (``step_totals``): per rank and step, the net compute of the step (the same subtraction), how
   many compute spans it summed (identical work has identical counts), and the time the rank spent waiting for
   others (the union of its blocking communication and ``grad-sync`` spans): the per-step sums that a slowdown of
@@ -34,6 +32,8 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   took most of to queue lasted as long as the host took: transfers and layer parts leave such spans out (what
   the GPU recorder's queue and busy fields say per rank is in ``scan.gpu_measure``);
 * ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
+
+How long each rank waited per step, for its loader, its host or the other ranks, is measured in ``scan.waits``.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ from lightning_megatron.scan.format import RANK_FILE_PATTERN, list_rank_files, r
 from lightning_megatron.scan.report import RankSummary
 
 __all__ = [
-    "DataWaits",
     "Link",
     "RankTrace",
     "Transfer",
     "clock_sigma",
+    "blocking_waits_per_step",
     "collective_arrivals",
-    "data_waits",
+    "covered_length",
     "STARVED_US",
     "host_paced",
     "layer_part",
@@ -91,6 +91,7 @@ class RankTrace:
     pp: int = 0
     tp: int = 0
     host: str = "?"
+    device: str = "?"  # ``cuda:0``, ``cpu``: as the trainer's root device names it
     world_size: Optional[int] = None
     offsets: list[float] = field(default_factory=list)
     uncertainties: list[float] = field(default_factory=list)
@@ -145,6 +146,7 @@ def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:
                 trace.pp = int(args.get("pp", trace.pp))
                 trace.tp = int(args.get("tp", trace.tp))
                 trace.host = str(args.get("host", trace.host))
+                trace.device = str(args.get("device", trace.device))
                 if args.get("world_size") is not None:
                     trace.world_size = int(args["world_size"])
             elif event.get("name") == "megascan.clock" and "offset_us" in args:
@@ -213,8 +215,8 @@ def merge_intervals(intervals: Iterable[tuple[float, float]]) -> tuple[list[floa
     return starts, ends
 
 
-def _overlap(start: float, end: float, union: tuple[list[float], list[float]]) -> float:
-    """Length of ``[start, end]`` covered by a union from ``_merge``."""
+def covered_length(start: float, end: float, union: tuple[list[float], list[float]]) -> float:
+    """Length of ``[start, end]`` covered by a union from ``merge_intervals``."""
     starts, ends = union
     total = 0.0
     i = bisect.bisect_right(ends, start)
@@ -255,7 +257,7 @@ def net_compute_spans(trace: RankTrace) -> Iterable[tuple[dict[str, Any], float]
     waits = merge_intervals((s["ts"], s["ts"] + s["dur"]) for s in trace.spans if _blocking(s))
     for s in trace.spans:
         if s["cat"] in ("compute", "compute.layer"):
-            yield s, max(s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], waits), 0.0)
+            yield s, max(s["dur"] - covered_length(s["ts"], s["ts"] + s["dur"], waits), 0.0)
 
 
 def net_compute(
@@ -329,16 +331,26 @@ def step_totals(traces: dict[int, RankTrace]) -> dict[int, dict[int, StepTotal]]
             if (s["cat"] == "compute") == has_ops and (step := step_of(s)) is not None:
                 per_step[step].compute_us += net
                 per_step[step].spans += 1
-        by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for s in trace.spans:
-            if (_blocking(s) and s["cat"] != "data") or s["cat"] == "grad_sync":
-                if (step := step_of(s)) is not None:
-                    by_step[step].append((s["ts"], s["ts"] + s["dur"]))
-        for step, intervals in by_step.items():
-            starts, ends = merge_intervals(intervals)
-            per_step[step].wait_us = sum(e - b for b, e in zip(starts, ends))
+        for step, waited in blocking_waits_per_step(trace).items():
+            per_step[step].wait_us = waited
         totals[rank] = dict(per_step)
     return totals
+
+
+def blocking_waits_per_step(trace: RankTrace) -> dict[int, float]:
+    """Per step: how long (µs) the rank waited for the other ranks inside it, the union of its blocking
+    communication and ``grad-sync`` spans. Each is a duration on the rank's own clock: comparing them across
+    ranks says who waited for whom without any clock alignment."""
+    by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for s in trace.spans:
+        if (_blocking(s) and s["cat"] != "data") or s["cat"] == "grad_sync":
+            if (step := step_of(s)) is not None:
+                by_step[step].append((s["ts"], s["ts"] + s["dur"]))
+    waited = {}
+    for step, intervals in by_step.items():
+        starts, ends = merge_intervals(intervals)
+        waited[step] = sum(e - b for b, e in zip(starts, ends))
+    return waited
 
 
 STARVED_US = 30.0  # a GPU that reaches a span within this long after the host queued it was waiting for the host
@@ -483,90 +495,3 @@ def clock_sigma(a: RankTrace, b: RankTrace) -> float:
 
     ``uncertainty_us`` is a ± bound of a clock offset; it is taken as two standard deviations."""
     return math.hypot(a.uncertainty_us, b.uncertainty_us) / 2.0
-
-
-@dataclass
-class DataWaits:
-    """Per rank that has ``data`` spans: its data-wait time (µs) of each step, and when (aligned clock, µs) the
-    step's last wait ended. Host gaps also give ``synced``: per rank and step, how long it waited at Lightning's
-    synchronisation of the ranks in that gap (``step-sync``; absent in traces made before it was traced)."""
-
-    samples: dict[int, list[float]] = field(default_factory=dict)
-    ends: dict[int, dict[int, float]] = field(default_factory=dict)
-    synced: dict[int, dict[int, float]] = field(default_factory=dict)
-
-
-def data_waits(traces: dict[int, RankTrace], cat: str = "data") -> DataWaits:
-    """``cat="data"``: the loader's fetches; ``cat="host"``: the host's gaps between steps (same shape), less the
-    fetches (data time) and the waits at Lightning's synchronisation of the ranks (time spent on the others)."""
-    waits = DataWaits()
-    for rank, trace in traces.items():
-        per_step: dict[int, float] = defaultdict(float)
-        end: dict[int, float] = {}
-        taken = merge_intervals(
-            (s["ts"], s["ts"] + s["dur"]) for s in trace.spans if cat == "host" and s["cat"] in ("data", "sync")
-        )
-        for s in trace.spans:
-            if s["cat"] == cat:
-                step = int(step_of(s))  # type: ignore[arg-type]
-                per_step[step] += s["dur"] - _overlap(s["ts"], s["ts"] + s["dur"], taken)
-                end[step] = max(end.get(step, -math.inf), s["ts"] + s["dur"] + trace.offset_us)
-            elif s["cat"] == "sync" and cat == "host":
-                synced = waits.synced.setdefault(rank, defaultdict(float))
-                synced[int(step_of(s))] += s["dur"]  # type: ignore[arg-type]
-        if per_step:
-            waits.samples[rank] = list(per_step.values())
-            waits.ends[rank] = end
-    return waits
-
-
-def host_waits_in_steps(traces: dict[int, RankTrace]) -> DataWaits:
-    """Per rank and step: how long, inside the step's span, its GPU waited for its host (µs), in the shape of
-    ``data_waits``. A host that blocks inside the step (a user's callback uploading metrics before the step
-    ends, a garbage collection) leaves gaps between the step's traced spans in which the GPU has nothing to do.
-
-    A gap counts where the GPU reached the span after it as soon as the host queued it (``queued_us`` under
-    ``STARVED_US``): it had run out of work. A gap before a span the GPU reached late had work queued, which
-    it ran or which another process's time slices delayed (a contended GPU: not the host's doing); gaps
-    between the spans of a replayed CUDA graph are never the host's (one launch). The step's tail, after its
-    last span, counts where the GPU reached the step's end as soon as the host recorded it. Host-timed traces
-    (CPUs) have no GPU to wait: every gap in their steps is the host's."""
-    waits = DataWaits()
-    for rank, trace in traces.items():
-        on_gpu = any("queued_us" in (s.get("args") or {}) for s in trace.spans)
-        inside: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        steps = []
-        for s in trace.spans:
-            if s["cat"] == "step":
-                steps.append(s)
-            elif s["cat"] not in ("data", "host") and step_of(s) is not None:
-                inside[int(step_of(s))].append(s)  # type: ignore[arg-type]
-        per_step: dict[int, float] = {}
-        end: dict[int, float] = {}
-        for step_span in steps:
-            step = int(step_of(step_span))  # type: ignore[arg-type]
-            start, stop = step_span["ts"], step_span["ts"] + step_span["dur"]
-            cursor, waited = start, 0.0
-            for s in sorted(inside[step], key=lambda s: s["ts"]):
-                if s["ts"] > cursor and s["ts"] < stop:
-                    waited += (min(s["ts"], stop) - cursor) * _starved(s.get("args") or {}, on_gpu)
-                cursor = max(cursor, min(s["ts"] + s["dur"], stop))
-            args = step_span.get("args") or {}
-            if stop > cursor:
-                queued, enqueue = args.get("queued_us"), args.get("enqueue_us")
-                at_end = None if queued is None or enqueue is None else float(queued) + step_span["dur"] - enqueue
-                waited += (stop - cursor) * (not on_gpu or (at_end is not None and at_end < STARVED_US))
-            per_step[step] = waited
-            end[step] = stop + trace.offset_us
-        if per_step:
-            waits.samples[rank] = list(per_step.values())
-            waits.ends[rank] = end
-    return waits
-
-
-def _starved(args: dict[str, Any], on_gpu: bool) -> bool:
-    """Whether the gap before a span with these ``args`` was its GPU waiting for its host (``host_waits_in_steps``)."""
-    if not on_gpu:
-        return True
-    queued = args.get("queued_us")
-    return queued is not None and not args.get("graph") and float(queued) < STARVED_US

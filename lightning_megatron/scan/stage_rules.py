@@ -8,18 +8,25 @@ suspects out, with the statistics of ``scan.compare``. Two rules, like the peer 
 * **per part** (``cross_stage_suspects``): per layer part (``forward attention``, ``backward mlp``, ...), each
   rank's samples against the other stages', flagged by excess, z and superiority. It sees a stage whose every
   layer is slower, also in traces too short for the per-step rule;
-* **per step** (``cross_stage_step_suspects``): per step, the medians of the layer parts summed (a typical
+* **per step** (``cross_stage_step_suspects``): per step, the mean time of each layer part, summed (a typical
   layer's forward and backward), each rank against the lower half of the others with Wilcoxon's signed-rank test
   over steps. Another process time-slicing a GPU does not slow every part: on 2x H200 it made one part of a
   stage's layers (a different one each run) about 3x slower and left the others as they were, which no
-  per-part median reveals and this sum does.
+  per-part median reveals and this sum does. The mean, not the median, because time slices hit a few spans
+  hard: on CPUs another process on a stage's core left the median layer part as it was (+7%) and made the mean
+  +42% to +99% (the time the stage lost); the test over steps, not the mean, keeps a one-off pause out;
+* **host waits** (``cross_stage_wait_suspects``): the host's gaps between steps and the GPU's waits for its host
+  inside steps (``scan.waits``) are Lightning's and the user's callbacks' work, the same code on every stage:
+  a stage whose host blocks (a synchronous upload, a long garbage collection) is compared with the other lone
+  stages, and named ``host`` where it costs ``min_slowdown`` of the job's median step.
 
 Both use only the spans the GPU paced (``measure.host_paced``): a launch-bound forward lasts as long as its
 host takes to queue it, and host noise (a slow loader's process, CPU contention) would pass for a slow stage.
 Their suspects therefore stay ``compute`` (``gpu_paced_only``: ``attribute_host`` leaves them).
 
 Ranks are compared only with other lone stages; stages carry different extra work (the embedding, the output
-layer and loss), which is why whole-stage compute is not compared.
+layer and loss), which is why whole-stage compute is not compared, and why another stage is a weaker baseline
+than a peer (``_stage_margin``).
 """
 
 from __future__ import annotations
@@ -43,25 +50,37 @@ from lightning_megatron.scan.compute_rules import (
     flagged,
     make_suspect,
     peer_groups,
+    wait_evidence,
 )
 from lightning_megatron.scan.measure import RankTrace
 from lightning_megatron.scan.report import RankSummary, Suspect
+from lightning_megatron.scan.waits import DataWaits, waited_for
 
-__all__ = ["cross_stage_suspects", "cross_stage_step_suspects"]
+__all__ = ["cross_stage_suspects", "cross_stage_step_suspects", "cross_stage_wait_suspects"]
 
 _STEP_ALPHA = 0.01  # as the peer rules: one rank against the other lone stages
 _STEP_ALPHA_LARGE = 0.05  # ... for an excess of at least twice min_slowdown (bursts that spare a few steps)
 # Another stage is a weaker baseline than a peer: its layers run beside other work (the embedding, the output
 # layer), with other neighbours. In clean fits on 2x H200 one stage's typical layer was up to 12% slower than the
-# other's (a few % in most), so these rules ask for twice ``min_slowdown``.
+# other's (a few % in most), so these rules ask for twice ``min_slowdown``. Processes on CPUs share more than a
+# GPU's (caches, memory bandwidth, on a VM the host's cores), so one stage's speed follows what the other does: on
+# a 2-vCPU VM, each stage pinned to one vCPU, the first stage's typical layer was 3-11% slower than the second's in
+# 15 clean fits, and up to 19% under faults that did not touch its compute (host stalls, a delayed link, slow
+# loaders; 105 fits): CPU traces ask for three times ``min_slowdown``.
 _STAGE_MARGIN = 2.0
+_STAGE_MARGIN_CPU = 3.0
 _MIN_PARTS = 2  # layer parts with GPU-paced samples on every compared rank, for a step to count
 _MIN_STEPS = MIN_STEPS // 2  # steps with such parts (the forward of a launch-bound job is mostly host-paced)
 
 
-def lone_stages(traces: dict[int, RankTrace], layered: dict[int, Any]) -> list[int]:
-    """The ranks alone in their pipeline stage that have layer measurements."""
-    return [ranks[0] for ranks in peer_groups(traces).values() if len(ranks) == 1 and layered.get(ranks[0])]
+def lone_stages(traces: dict[int, RankTrace], measured: dict[int, Any]) -> list[int]:
+    """The ranks alone in their pipeline stage that have measurements in ``measured``."""
+    return [ranks[0] for ranks in peer_groups(traces).values() if len(ranks) == 1 and measured.get(ranks[0])]
+
+
+def _stage_margin(traces: dict[int, RankTrace]) -> float:
+    """How many times ``min_slowdown`` a lone stage must exceed the others by (see ``_STAGE_MARGIN``)."""
+    return _STAGE_MARGIN_CPU if any(t.device == "cpu" for t in traces.values()) else _STAGE_MARGIN
 
 
 def cross_stage_suspects(
@@ -85,8 +104,9 @@ def cross_stage_suspects(
         samples[rank] = dict(merged)
     floor = pooled_sigma(values for per_part in samples.values() for values in per_part.values())
     suspects = []
+    margin = _stage_margin(traces)
     for c in compare_with_peers({r: levels_of(samples[r], floor) for r in alone}):
-        if not flagged(c, _STAGE_MARGIN * min_slowdown, min_z):
+        if not flagged(c, margin * min_slowdown, min_z):
             continue
         summary = per_rank[c.member]
         compute_us = (summary.compute_ms or 0.0) * 1000 or c.median
@@ -124,15 +144,16 @@ def cross_stage_step_suspects(
     if len(steps) < _MIN_STEPS:
         return []
     by_rank = {s.rank: s for s in suspects if s.kind == "compute"}
+    margin = _stage_margin(traces)
     found = []
     for rank in alone:
         others = [q for q in alone if q != rank]
         own = [typical[s][rank] for s in steps]
         baseline = [lower_half_median([typical[s][q] for q in others]) for s in steps]
         excess = trimmed_mean([a / b - 1.0 for a, b in zip(own, baseline)])
-        if excess < _STAGE_MARGIN * min_slowdown:
+        if excess < margin * min_slowdown:
             continue
-        alpha = _STEP_ALPHA_LARGE if excess >= 2 * _STAGE_MARGIN * min_slowdown else _STEP_ALPHA
+        alpha = _STEP_ALPHA_LARGE if excess >= 2 * margin * min_slowdown else _STEP_ALPHA
         p_value = signed_rank_p([math.log(a / b) for a, b in zip(own, baseline)])
         if p_value >= alpha:
             continue
@@ -167,14 +188,48 @@ def _typical_layer_per_step(
     ranks: list[int], parts_per_step: dict[int, dict[int, dict[str, list[float]]]]
 ) -> dict[int, dict[int, float]]:
     """Per step where every rank has at least ``_MIN_PARTS`` parts in common: per rank, the sum over those parts
-    of the part's median (µs)."""
+    of the part's mean (µs)."""
     common_steps = set.intersection(*(set(parts_per_step[r]) for r in ranks))
     typical: dict[int, dict[int, float]] = {}
     for step in common_steps:
         parts = set.intersection(*(set(parts_per_step[r][step]) for r in ranks))
         if len(parts) < _MIN_PARTS:
             continue
-        sums = {r: sum(statistics.median(parts_per_step[r][step][p]) for p in parts) for r in ranks}
+        sums = {r: sum(statistics.fmean(parts_per_step[r][step][p]) for p in parts) for r in ranks}
         if all(v > 0 for v in sums.values()):
             typical[step] = sums
     return typical
+
+
+def cross_stage_wait_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    waits: DataWaits,
+    bar_us: float,
+    min_slowdown: float,
+    min_z: float,
+) -> list[Suspect]:
+    """``host`` suspects among the ranks alone in their stage: their host waits per step (``scan.waits``: gaps
+    between steps, or the GPU's waits for its host inside them) against the other lone stages', flagged as a
+    compute comparison is (with the stage margin) where the excess costs at least ``bar_us`` per step.
+
+    A stage's own work is in its spans, not in these waits, but a stage can still wait on its host for work of its
+    own (the last stage reads its loss back for the progress bar: a GPU round trip): hence the bar in time, a
+    share of the step, as for the waits inside steps. ``evidence["late_ms"]`` is how much longer the others waited
+    for the ranks (``waits.waited_for``, clock-free); between stages it is only evidence, not a condition: a
+    pipeline's stages wait for each other in every step, whatever their hosts do."""
+    alone = lone_stages(traces, waits.samples)
+    if len(alone) < 2:
+        return []
+    floor = pooled_sigma(waits.samples[r] for r in alone)
+    margin = _stage_margin(traces)
+    suspects = []
+    for c in compare_with_peers({r: levels_of({"host-wait": waits.samples[r]}, floor) for r in alone}):
+        impact_us = c.median - c.baseline
+        if not flagged(c, margin * min_slowdown, min_z) or impact_us < bar_us:
+            continue
+        late_us = waited_for(c.member, alone, waits.synced)
+        evidence = wait_evidence(c, late_us, len(alone) - 1, impact_us, per_rank[c.member])
+        evidence["across_stages"] = True
+        suspects.append(make_suspect(traces[c.member], "host", c.excess, evidence))
+    return suspects

@@ -12,6 +12,7 @@ export const CAT_COLORS = {
   grad_sync: "#937860",
   optimizer: "#8C8C8C",
   data: "#CCB974",
+  sync: "#64B5CD",
   host: "#B8B8B8",
   step: "#E3E7EC",
 };

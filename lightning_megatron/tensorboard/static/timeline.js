@@ -13,6 +13,7 @@ const LEGEND = [
   ["grad_sync", "gradient sync"],
   ["optimizer", "optimizer"],
   ["data", "data"],
+  ["sync", "ranks' per-batch sync"],
   ["step", "step"],
 ];
 const P2P_FLOW = "#1b5e20";
