@@ -50,7 +50,11 @@ the time its peers spend on the *same* work, after taking the waiting out:
   that synchronisation (a stall before it ends every rank's gap together: only the waits say who was late,
   clock-free); and against its own earlier steps;
 * **host inside steps**: the time a rank's GPU waited for its host between the step's traced spans (a callback
-  that blocks before the step ends), by the same two rules, where it costs ``min_slowdown`` of a step.
+  that blocks before the step ends), by the same two rules, where it costs ``min_slowdown`` of a step; a stall
+  before a collective inside the step (the optimizer's all-reduce) ends every peer's step together, so there the
+  peers' longer waits inside the step say who was late (``waits.waited_for``, clock-free);
+* **host across stages** (``scan.stage_rules``): ranks alone in their stage compare both kinds of host wait with
+  the other lone stages, where the excess costs ``min_slowdown`` of a step.
 
 A member is flagged when its excess over the peers' healthy level is at least ``min_slowdown`` *and* its log
 ratio to that level is at least ``min_z`` standard errors (timing noise is multiplicative; few or noisy samples

@@ -3,7 +3,8 @@ tensor-parallel peers): such a rank has nobody doing its own work, but every sta
 one layer's attention or MLP is the same work on every stage.
 
 The contract: layer measurements in (``scan.measure``: net times of ``granularity="layer"`` spans), compute
-suspects out, with the statistics of ``scan.compare``. Two rules, like the peer rules of ``compute_rules``:
+suspects out, with the statistics of ``scan.compare``, by two rules like the peer rules of ``compute_rules``; and
+host waits in (``scan.waits``), host suspects out, by a third:
 
 * **per part** (``cross_stage_suspects``): per layer part (``forward attention``, ``backward mlp``, ...), each
   rank's samples against the other stages', flagged by excess, z and superiority. It sees a stage whose every
@@ -20,7 +21,7 @@ suspects out, with the statistics of ``scan.compare``. Two rules, like the peer 
   a stage whose host blocks (a synchronous upload, a long garbage collection) is compared with the other lone
   stages, and named ``host`` where it costs ``min_slowdown`` of the job's median step.
 
-Both use only the spans the GPU paced (``measure.host_paced``): a launch-bound forward lasts as long as its
+The two compute rules use only the spans the GPU paced (``measure.host_paced``): a launch-bound forward lasts as long as its
 host takes to queue it, and host noise (a slow loader's process, CPU contention) would pass for a slow stage.
 Their suspects therefore stay ``compute`` (``gpu_paced_only``: ``attribute_host`` leaves them).
 
@@ -216,7 +217,7 @@ def cross_stage_wait_suspects(
     A stage's own work is in its spans, not in these waits, but a stage can still wait on its host for work of its
     own (the last stage reads its loss back for the progress bar: a GPU round trip): hence the bar in time, a
     share of the step, as for the waits inside steps. ``evidence["late_ms"]`` is how much longer the others waited
-    for the ranks (``waits.waited_for``, clock-free); between stages it is only evidence, not a condition: a
+    for the rank (``waits.waited_for``, clock-free); between stages it is only evidence, not a condition: a
     pipeline's stages wait for each other in every step, whatever their hosts do."""
     alone = lone_stages(traces, waits.samples)
     if len(alone) < 2:
