@@ -18,6 +18,9 @@ between 0 and 1:
 * ``cpu-contention``: spinning processes on the rank's CPUs (its affinity set);
 * ``cpu-contention-stress-ng``: the same CPUs loaded by ``stress-ng --cpu`` (a tool we did not write,
   ``outside_faults.StressNg``), where ``stress-ng`` is installed;
+* ``cpu-quota`` / ``cpu-quota-bursty``: the rank's process under a container's CPU limit, 0.5 / 0.8 CPUs per
+  100 ms (the kernel's CFS bandwidth control, ``outside_faults.CpuQuota``: it runs at full speed, then is stopped
+  until the next period), where a cgroup can be made (root);
 * ``host-stall`` / ``host-stall-in-step`` / ``host-stall-hidden``: the rank's own Python blocks for about 25% of a
   clean step per step (``scan.faults.HostStall``): in ``on_train_batch_end`` after MegaScan's (the host gap
   before the next step), the same before MegaScan's (inside the traced step, after the GPU finished: the
@@ -60,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from megascan_overhead import CPU_MODEL, GPU_MODELS, MICRO_BATCH, fit_once  # noqa: E402  (benchmarks/ is on the path)
-from outside_faults import StressNg, stress_ng_available  # noqa: E402
+from outside_faults import CpuQuota, StressNg, cpu_quota_available, stress_ng_available  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +84,8 @@ EXPECTED = {  # the kinds that name a fault rightly
     "gpu-memory-contention": {"compute"},
     "cpu-contention": {"host", "compute"},
     "cpu-contention-stress-ng": {"host", "compute"},
+    "cpu-quota": {"host", "compute"},
+    "cpu-quota-bursty": {"host", "compute"},
     "host-stall": {"host"},
     "host-stall-in-step": {"host"},
     "host-stall-hidden": {"host"},
@@ -98,6 +103,8 @@ def cases(layout: str, gpu: bool) -> list[str]:
     names += ["host-stall", "host-stall-in-step", "host-stall-hidden", "host-stall-exposed"]
     if stress_ng_available():
         names.insert(2, "cpu-contention-stress-ng")
+    if cpu_quota_available():
+        names[names.index("slow-loader") : names.index("slow-loader")] = ["cpu-quota", "cpu-quota-bursty"]
     if gpu:
         names[1:1] = ["gpu-contention", "gpu-contention-bursty", "gpu-memory-contention"]
     if layout == "pp2":
@@ -150,6 +157,8 @@ def _callbacks(
         callbacks.insert(0 if case.endswith("in-step") else len(callbacks), stall)  # before or after MegaScan's
     elif case == "cpu-contention-stress-ng":
         callbacks.append(StressNg(rank, start_step=onset_step))
+    elif case.startswith("cpu-quota"):
+        callbacks.append(CpuQuota(rank, start_step=onset_step, cpus=0.8 if case.endswith("bursty") else 0.5))
     elif case == "link-delay":
         callbacks.append(LinkDelayInjector(src=0, dst=1, delay_ms=0.25 * step_ms / MICROBATCHES))
     return callbacks, wrap

@@ -337,6 +337,9 @@ def test_a_stall_before_the_ranks_synchronise_is_named_host(ranks: Any, tmp_path
     traces = read_traces(tmp_path / "stall", [], None)
     syncs = {rank: [s for s in trace.spans if s["cat"] == "sync"] for rank, trace in traces.items()}
     assert all(len(spans) >= 5 and spans[0]["name"] == "step-sync" for spans in syncs.values()), syncs
+    # the training thread's waits for a CPU (``scan.sched``) ride on every step and host gap
+    timed = [s for trace in traces.values() for s in trace.spans if s["cat"] in ("step", "host")]
+    assert timed and all(s["args"]["cpu_wait_us"] >= 0 for s in timed), timed[:3]
 
 
 def test_a_stall_before_a_collective_in_the_step_is_named_host(ranks: Any, tmp_path: Path) -> None:

@@ -22,6 +22,10 @@
   host blocking between steps and before its optimizer step, and (the injector) a delayed link. Both stages are
   alone in their stage: before the cross-stage rules on means and host waits none but the link and the loaders
   were named (1 of 30 contention and host-stall fits), and a delayed link also named its sender ``compute``.
+* ``tests/data/megascan_cpu_waits.tar.gz``: four fits of the same model and machine (DP2 and PP2, 2026-11-25,
+  ``--cpu``) with the training thread's waits for a CPU on every step (``cpu_wait_us``): a clean fit, a
+  container's CPU limit on one rank (``outside_faults.CpuQuota``, 0.5 CPUs; DP2 and PP2) and our spinning
+  competitor (DP2). Before that counter the span rules found the CPU limit in 6 of 10 DP2 and 2 of 10 PP2 fits.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cpu_pp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _extracted(tmp_path_factory, "megascan_cpu_pp2.tar.gz", "pp2")
+
+
+@pytest.fixture(scope="module")
+def cpu_waits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _extracted(tmp_path_factory, "megascan_cpu_waits.tar.gz", "")
 
 
 def named(report) -> list[tuple[int, str]]:
@@ -190,3 +199,15 @@ def test_a_lone_stage_whose_host_stalls_is_named_host(cpu_pp2: Path) -> None:
 def test_a_delayed_link_does_not_also_make_its_sender_a_slow_stage(cpu_pp2: Path) -> None:
     report = detect(cpu_pp2 / "link-delay-0")
     assert named(report) == [(0, "link")], report.suspects
+
+
+def test_a_rank_without_a_cpu_is_named_host_from_its_run_queue_delay(cpu_waits: Path) -> None:
+    """A CPU limit stops the process wherever it is: inside compute spans, host gaps, or a collective it entered
+    (where it looks like waiting for the others). The training thread's run-queue delay names it, at DP2 (against
+    its peer) and PP2 (against the other stage); a competing process the same way. A clean fit names nothing."""
+    assert named(detect(cpu_waits / "dp2" / "clean-0")) == []
+    for fit, rank in (("dp2/cpu-quota-3", 1), ("pp2/cpu-quota-1", 1), ("dp2/cpu-contention-2", 0)):
+        report = detect(cpu_waits / fit)
+        assert named(report) == [(rank, "host")], (fit, report.suspects)
+        evidence = report.suspects[0].evidence
+        assert evidence["cpu_wait_ms"] > 5 * evidence["baseline_ms"] and evidence["p_value"] < 0.025, evidence

@@ -31,6 +31,7 @@ from lightning_megatron.scan.layers import LayerTracer
 from lightning_megatron.scan.profile import PROFILE_OPTIONS, StepProfiler
 from lightning_megatron.scan.recorder import Span, SpanRecorder
 from lightning_megatron.scan.report import REPORT_FILE
+from lightning_megatron.scan.sched import RunDelay
 from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
 from lightning_megatron.strategy.microbatch import infer_seq_length
 
@@ -165,6 +166,8 @@ class MegaScan(pl.Callback, StepListener):
         replayed multi-GPU traces have been checked the same way."""
         self._p2p_seq: dict[tuple[int, str, str], int] = {}
         self._step_span: Optional[Span] = None
+        self._run_delay = RunDelay()  # the training thread's waits for a CPU (``scan.sched``)
+        self._delay_at: dict[str, Optional[float]] = {"batch_end": None, "batch_start": None}
         self._last_batch_end: Optional[float] = None
         self._fetch_started: Optional[float] = None
         self._fetches: list[tuple[float, float]] = []  # the loader's fetches since the last step ended
@@ -322,8 +325,10 @@ class MegaScan(pl.Callback, StepListener):
         self._context["step"] = step
         self._context["p2p_bytes"] = self._p2p_bytes(batch)
         self._p2p_seq = {}
+        delay = self._delay_at["batch_start"] = self._run_delay.read()
         if self._last_batch_end is not None:  # the host's time between steps: Lightning's bookkeeping and the fetch
-            recorder.add("host-gap", "host", TID["host"], self._last_batch_end, now, {"step": step})
+            gap_args = {"step": step, **_cpu_wait(self._delay_at["batch_end"], delay)}
+            recorder.add("host-gap", "host", TID["host"], self._last_batch_end, now, gap_args)
         for start, end in self._fetches:  # the fetches since the last step: data time is the loader's own time
             recorder.add("data-fetch", "data", TID["host"], start, end, {"step": step})
         for start, end in self._syncs:  # waiting there is waiting for the other ranks, not the host's own time
@@ -360,6 +365,7 @@ class MegaScan(pl.Callback, StepListener):
         recorder = self._recorder
         if recorder is not None and recorder.active:
             if self._step_span is not None:
+                self._step_span.args.update(_cpu_wait(self._delay_at["batch_start"], self._run_delay.read()))
                 recorder.close(self._step_span)
             self._step_span = None
             step = trainer.global_step - 1  # global_step already counts this batch's optimizer step
@@ -371,6 +377,7 @@ class MegaScan(pl.Callback, StepListener):
         if self._profiler is not None:  # saving a trace takes a while: before the next host gap starts
             self._profiler.end()
         self._last_batch_end = now_us()
+        self._delay_at["batch_end"] = self._run_delay.read()
         self._fetches, self._syncs = [], []  # what comes from here on belongs to the gap before the next step
 
     def _detect_online(self, trainer: pl.Trainer, step: int) -> None:
@@ -570,3 +577,9 @@ class MegaScan(pl.Callback, StepListener):
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._run_delay.close()
+
+
+def _cpu_wait(before: Optional[float], after: Optional[float]) -> dict[str, float]:
+    """``{"cpu_wait_us": ...}``: the training thread's run-queue delay between two reads, or nothing."""
+    return {} if before is None or after is None else {"cpu_wait_us": round(after - before, 1)}

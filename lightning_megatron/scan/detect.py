@@ -54,7 +54,10 @@ the time its peers spend on the *same* work, after taking the waiting out:
   before a collective inside the step (the optimizer's all-reduce) ends every peer's step together, so there the
   peers' longer waits inside the step say who was late (``waits.waited_for``, clock-free);
 * **host across stages** (``scan.stage_rules``): ranks alone in their stage compare both kinds of host wait with
-  the other lone stages, where the excess costs ``min_slowdown`` of a step.
+  the other lone stages, where the excess costs ``min_slowdown`` of a step;
+* **waits for a CPU** (``scan.cpu_rules``): a rank whose training thread was runnable but had no CPU (the
+  kernel's run-queue delay, ``scan.sched``: another process's time slices, a container's CPU limit) for
+  ``min_slowdown`` of a step more than the other ranks' is ``host``, wherever the lost time fell.
 
 A member is flagged when its excess over the peers' healthy level is at least ``min_slowdown`` *and* its log
 ratio to that level is at least ``min_z`` standard errors (timing noise is multiplicative; few or noisy samples
@@ -108,6 +111,7 @@ from lightning_megatron.scan.compute_rules import (
     step_suspects,
     wait_evidence,
 )
+from lightning_megatron.scan.cpu_rules import cpu_wait_suspects, merge_cpu_waits
 from lightning_megatron.scan.gpu_measure import busy_times, host_pacing
 from lightning_megatron.scan.measure import (
     Link,
@@ -129,7 +133,7 @@ from lightning_megatron.scan.stage_rules import (
     cross_stage_suspects,
     cross_stage_wait_suspects,
 )
-from lightning_megatron.scan.waits import DataWaits, data_waits, host_waits_in_steps, waited_for
+from lightning_megatron.scan.waits import DataWaits, cpu_waits, data_waits, host_waits_in_steps, waited_for
 
 # the report's names and three statistics helpers were defined here before measuring, comparing and reporting
 # became modules of their own; they stay importable from here
@@ -214,6 +218,8 @@ def detect(
         found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, min_impact_us, kind)
         suspects += _as_share_of_step(found, median_step_us)
     suspects += _host_in_step_suspects(traces, per_rank, suspects, median_step_us, min_slowdown, min_z)
+    found = cpu_wait_suspects(traces, per_rank, cpu_waits(traces), median_step_us, min_slowdown)
+    suspects = merge_cpu_waits(suspects, found)
     suspects = _fold_consequences(suspects)
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
 

@@ -173,6 +173,12 @@ def _evidence_text(suspect: Suspect) -> str:
             f"{e['direction']} {suspect.rank}->{suspect.peer}: {e['median_us_per_mb']:.1f} us/MB vs "
             f"{e['baseline_us_per_mb']:.1f} us/MB on {e['link_class']} links"
         )
+    if "hit_steps_fraction" in e:  # the training thread's waits for a CPU (scan.cpu_rules)
+        return (
+            f"training thread waited for a CPU {e['cpu_wait_ms']:.2f} ms per step vs {e['baseline_ms']:.2f} ms on "
+            f"the others (runnable, not running; {100 * e['hit_steps_fraction']:.0f}% of {e['steps']} steps hit, "
+            f"p={e['p_value']:.2g})"
+        )
     if "later_ms" in e:  # against its own earlier steps
         text = (
             f"{e['rule']} ({e['later_steps'][0]}-{e['later_steps'][1]} against {e['earlier_steps'][0]}-"
@@ -195,6 +201,8 @@ def _evidence_text(suspect: Suspect) -> str:
         text = e.get("rule", "")
     if "where" in e:  # the host waits inside steps (detect._host_in_step_suspects)
         text = f"GPU waiting for its host inside steps: {text}"
+    if "cpu_wait_ms" in e:  # merged in by scan.cpu_rules.merge_cpu_waits
+        text += f"; its training thread waited for a CPU {e['cpu_wait_ms']:.2f} ms per step"
     if e.get("last_arrival_fraction") is not None:
         text += (
             f"; last at {100 * e['last_arrival_fraction']:.0f}% of its {e['collective_group']} collectives"

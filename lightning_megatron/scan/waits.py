@@ -11,7 +11,9 @@ rank's step without any compute of its own, so each is measured apart from the c
   spans), which are kept apart as ``synced``: how long the rank waited there for the others;
 * **host inside steps** (``host_waits_in_steps``): the gaps between a step's traced spans in which the GPU had
   nothing queued (a callback that blocks before the step ends), with the rank's waits for the others inside the
-  step (``measure.blocking_waits_per_step``) as ``synced``.
+  step (``measure.blocking_waits_per_step``) as ``synced``;
+* **waits for a CPU** (``cpu_waits``): how long the training thread was runnable but had no CPU, in the step and
+  in the host gap before it (``cpu_wait_us``, ``scan.sched``): another process's time slices, a CPU limit.
 
 ``synced`` is clock-free evidence of lateness: each wait is a duration on its own rank's clock, and the ranks that
 waited longer than a rank did waited for it.
@@ -35,7 +37,7 @@ from lightning_megatron.scan.measure import (
     step_of,
 )
 
-__all__ = ["DataWaits", "data_waits", "host_waits_in_steps", "waited_for"]
+__all__ = ["DataWaits", "cpu_waits", "data_waits", "host_waits_in_steps", "waited_for"]
 
 
 @dataclass
@@ -127,6 +129,27 @@ def _starved(args: dict[str, Any], on_gpu: bool) -> bool:
         return True
     queued = args.get("queued_us")
     return queued is not None and not args.get("graph") and float(queued) < STARVED_US
+
+
+def cpu_waits(traces: dict[int, RankTrace]) -> DataWaits:
+    """Per rank whose trace has them and step: the training thread's run-queue delay (µs) in the step and in the
+    host gap before it, in the shape of ``data_waits`` (``ends``: the step's end, aligned clock)."""
+    waits = DataWaits()
+    for rank, trace in traces.items():
+        per_step: dict[int, float] = defaultdict(float)
+        end: dict[int, float] = {}
+        for s in trace.spans:
+            args = s.get("args") or {}
+            if s["cat"] in ("step", "host") and "cpu_wait_us" in args and step_of(s) is not None:
+                step = int(step_of(s))  # type: ignore[arg-type]
+                per_step[step] += max(float(args["cpu_wait_us"]), 0.0)
+                if s["cat"] == "step":
+                    end[step] = s["ts"] + s["dur"] + trace.offset_us
+        steps = sorted(step for step in per_step if step in end)  # a gap without its step is not a step
+        if steps:
+            waits.samples[rank] = [per_step[step] for step in steps]
+            waits.ends[rank] = {step: end[step] for step in steps}
+    return waits
 
 
 def waited_for(rank: int, members: Sequence[int], synced: dict[int, dict[int, float]]) -> float:

@@ -1,0 +1,109 @@
+"""The rule of ``scan.detect`` for a rank whose training thread waited for a CPU: ``host``, whatever its spans say.
+
+The contract: ``scan.waits.cpu_waits`` in (the run-queue delay of each rank's training thread per step, from the
+kernel, ``scan.sched``), ``host`` suspects out, with the statistics of ``scan.compare``.
+
+A thread that is runnable but gets no CPU loses that time wherever it is: in a compute span (which then looks like
+a slower GPU or CPU), in a host gap, or inside a collective it had entered (which then looks like waiting for the
+others). Span lengths put the loss in the wrong place, or on the wrong rank: on CPUs at TP2 the peer of a rank
+sharing its CPU with another process measured the slower compute. The counter does not: a training thread with
+a CPU of its own waits for none, whatever its stage or its work, so each rank is compared with every other rank of
+the job, step by step:
+
+* per step, the rank's wait against the median of the others' in that step (what all ranks share in a step
+  cancels; the median, not the lower half's, so that healthy steps give differences centred on zero for the test); the mean of these excesses is the time the rank lost per step, reported as its share of the
+  job's median step (``slowdown``) and named where it is at least ``min_slowdown`` of it;
+* the excesses must be above zero beyond chance: ``compare.sign_flip_p``, at ``_ALPHA`` (or ``_ALPHA_LARGE`` for
+  twice the bar, bursts that spare some steps: a CPU limit stops the process in the periods it overran, not in
+  every step), Bonferroni over the ranks tested.
+
+One rank, one name (``merge_cpu_waits``): a rank already named ``host`` keeps that name with the CPU wait as
+evidence, and a ``compute`` suspect whose excess the CPU wait explains (on CPUs, a compute span that lost time
+slices) becomes evidence of the ``host`` suspect.
+
+Ranks without the counter (not Linux, older traces) are left out, and a job needs two ranks with it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from lightning_megatron.scan.compare import sign_flip_p
+from lightning_megatron.scan.compute_rules import make_suspect
+from lightning_megatron.scan.measure import RankTrace
+from lightning_megatron.scan.report import RankSummary, Suspect
+from lightning_megatron.scan.waits import DataWaits
+
+__all__ = ["cpu_wait_suspects", "merge_cpu_waits"]
+
+_ALPHA = 0.01
+_ALPHA_LARGE = 0.05
+_MIN_STEPS = 6  # steps every compared rank has: 2^-6 is the smallest p a sign flip can give with fewer
+
+
+def cpu_wait_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    waits: DataWaits,
+    median_step_us: float,
+    min_slowdown: float,
+) -> list[Suspect]:
+    """``host`` suspects from the training threads' waits for a CPU (module docstring)."""
+    ranks = sorted(r for r in waits.samples if r in traces)
+    if len(ranks) < 2 or not median_step_us:
+        return []
+    per_step = {r: dict(zip(waits.ends[r], waits.samples[r])) for r in ranks}
+    steps = sorted(set.intersection(*(set(per_step[r]) for r in ranks)))
+    if len(steps) < _MIN_STEPS:
+        return []
+    bar_us = min_slowdown * median_step_us
+    suspects = []
+    for rank in ranks:
+        others = [q for q in ranks if q != rank]
+        excess = [per_step[rank][s] - statistics.median([per_step[q][s] for q in others]) for s in steps]
+        lost_us = statistics.fmean(excess)
+        if lost_us < bar_us:
+            continue
+        alpha = (_ALPHA_LARGE if lost_us >= 2 * bar_us else _ALPHA) / len(ranks)
+        p_value = sign_flip_p(excess)
+        if p_value >= alpha:
+            continue
+        evidence: dict[str, Any] = {
+            "rule": "training thread's waits for a CPU (run-queue delay) per step against the other ranks'",
+            "cpu_wait_ms": statistics.fmean(per_step[rank][s] for s in steps) / 1000,
+            "baseline_ms": statistics.fmean(statistics.median([per_step[q][s] for q in others]) for s in steps) / 1000,
+            "hit_steps_fraction": round(sum(e >= bar_us for e in excess) / len(steps), 3),
+            "steps": len(steps),
+            "p_value": p_value,
+            "alpha": alpha,
+            "peers": len(others),
+            "impact_ms": lost_us / 1000,
+            "step_ms": per_rank[rank].step_ms,
+        }
+        suspects.append(make_suspect(traces[rank], "host", lost_us / median_step_us, evidence))
+    return suspects
+
+
+_EXPLAINS = 1.5  # a compute excess up to this many times the CPU wait is the CPU wait (slack for noise)
+
+
+def merge_cpu_waits(suspects: list[Suspect], found: list[Suspect]) -> list[Suspect]:
+    """``suspects`` with the CPU-wait suspects ``found`` merged in, one name per rank (module docstring)."""
+    merged = list(suspects)
+    for suspect in found:
+        named_host = [s for s in merged if s.rank == suspect.rank and s.kind == "host"]
+        if named_host:
+            named_host[0].evidence["cpu_wait_ms"] = round(suspect.evidence["cpu_wait_ms"], 3)
+            continue
+        for compute in [s for s in merged if s.rank == suspect.rank and s.kind == "compute"]:
+            if compute.evidence.get("impact_ms", 0.0) <= _EXPLAINS * suspect.evidence["impact_ms"]:
+                rule = compute.evidence.get("rule", "per-op medians")
+                suspect.evidence["compute"] = {
+                    "slowdown": compute.slowdown,
+                    "impact_ms": compute.evidence.get("impact_ms"),
+                    "rule": rule,
+                }
+                merged.remove(compute)
+        merged.append(suspect)
+    return merged
