@@ -12,7 +12,7 @@ import time
 import pytest
 
 from lightning_megatron.scan import sched
-from lightning_megatron.scan.cpu_rules import cpu_wait_suspects, merge_cpu_waits
+from lightning_megatron.scan.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
 from lightning_megatron.scan.measure import RankTrace
 from lightning_megatron.scan.report import DetectionReport, RankSummary, Suspect
 from lightning_megatron.scan.waits import DataWaits
@@ -96,6 +96,21 @@ def test_a_rank_stopped_in_some_steps_by_a_cpu_limit_is_named_host() -> None:
     assert "training thread waited for a CPU 8.36 ms per step" in table and "42% of 12 steps hit" in table, table
     calm = _waits({0: noise, 1: noise[::-1], 2: [x + 500.0 for x in noise], 3: noise})  # 0.5 ms: under the bar
     assert cpu_wait_suspects(traces, per_rank, calm, median_step_us=40_000.0, min_slowdown=0.08) == []
+
+
+def test_one_process_that_loses_its_cpu_during_the_run_is_named_against_its_own_steps() -> None:
+    """One process has no other rank: a CPU limit from step 16 of 32 (20 ms stops in 3 of every 5 steps) is
+    found against its own earlier steps; the same process without it is not."""
+    traces, per_rank = _job(1)
+    clean = [30.0 + 7.0 * (step % 5) for step in range(32)]
+    limited = [x + (20_000.0 if step >= 16 and step % 5 in (0, 1, 3) else 0.0) for step, x in enumerate(clean)]
+    (suspect,) = cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [], 40_000.0, 0.08)
+    assert (suspect.rank, suspect.kind) == (0, "host") and "waits for a CPU" in suspect.evidence["rule"], suspect
+    assert suspect.evidence["later_steps"][0] in range(14, 19), suspect.evidence
+    assert cpu_wait_history_suspects(traces, per_rank, _waits({0: clean}), [], 40_000.0, 0.08) == []
+    # a rank already named host keeps its one name
+    named = Suspect(rank=0, dp=0, pp=0, tp=0, host="h", kind="host", slowdown=0.3, evidence={"impact_ms": 9.0})
+    assert cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [named], 40_000.0, 0.08) == []
 
 
 def test_one_rank_one_name_when_the_cpu_wait_explains_it() -> None:

@@ -17,6 +17,10 @@ the job, step by step:
   twice the bar, bursts that spare some steps: a CPU limit stops the process in the periods it overran, not in
   every step), Bonferroni over the ranks tested.
 
+A rank whose waits grew during the run is also compared with its own earlier steps
+(``cpu_wait_history_suspects``: the compute rule against itself, ``compute_rules.HISTORY_RULE``): one process has
+no other rank, and a machine whose every rank lost its CPUs at once has no healthy one.
+
 One rank, one name (``merge_cpu_waits``): a rank already named ``host`` keeps that name with the CPU wait as
 evidence, and a ``compute`` suspect whose excess the CPU wait explains (on CPUs, a compute span that lost time
 slices) becomes evidence of the ``host`` suspect.
@@ -29,13 +33,19 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lightning_megatron.scan.compare import sign_flip_p
-from lightning_megatron.scan.compute_rules import make_suspect
+from lightning_megatron.scan.compare import later_steps_change, sign_flip_p
+from lightning_megatron.scan.compute_rules import (
+    HISTORY_RULE,
+    MIN_STEPS,
+    history_alpha,
+    history_evidence,
+    make_suspect,
+)
 from lightning_megatron.scan.measure import RankTrace
 from lightning_megatron.scan.report import RankSummary, Suspect
 from lightning_megatron.scan.waits import DataWaits
 
-__all__ = ["cpu_wait_suspects", "merge_cpu_waits"]
+__all__ = ["cpu_wait_history_suspects", "cpu_wait_suspects", "merge_cpu_waits"]
 
 _ALPHA = 0.01
 _ALPHA_LARGE = 0.05
@@ -85,6 +95,39 @@ def cpu_wait_suspects(
     return suspects
 
 
+def cpu_wait_history_suspects(
+    traces: dict[int, RankTrace],
+    per_rank: dict[int, RankSummary],
+    waits: DataWaits,
+    suspects: list[Suspect],
+    median_step_us: float,
+    min_slowdown: float,
+) -> list[Suspect]:
+    """``host`` suspects whose training thread waited longer for a CPU in its later steps than in its earlier ones,
+    by ``min_slowdown`` of the job's median step; ranks already named ``host`` in ``suspects`` are left out."""
+    if not median_step_us:
+        return []
+    named = {s.rank for s in suspects if s.kind == "host"}
+    tested = [r for r in sorted(waits.samples) if r in traces]
+    found = []
+    for rank in tested:
+        if rank in named:
+            continue
+        per_step = dict(zip(waits.ends[rank], waits.samples[rank]))
+        change = later_steps_change(per_step, MIN_STEPS, history_alpha(len(tested)))
+        evidence = history_evidence(change, min_slowdown, min_slowdown * median_step_us, len(tested))
+        if change is None or evidence is None:
+            continue
+        evidence.update(rule=f"{HISTORY_RULE}: the training thread's waits for a CPU", step_ms=per_rank[rank].step_ms)
+        found.append(make_suspect(traces[rank], "host", (change.after - change.before) / median_step_us, evidence))
+    return found
+
+
+def _cpu_wait_ms(evidence: dict[str, Any]) -> float:
+    """The CPU wait per step a suspect of this module found: against the others, or in its later steps."""
+    return evidence["cpu_wait_ms"] if "cpu_wait_ms" in evidence else evidence["later_ms"]
+
+
 _EXPLAINS = 1.5  # a compute excess up to this many times the CPU wait is the CPU wait (slack for noise)
 
 
@@ -94,7 +137,7 @@ def merge_cpu_waits(suspects: list[Suspect], found: list[Suspect]) -> list[Suspe
     for suspect in found:
         named_host = [s for s in merged if s.rank == suspect.rank and s.kind == "host"]
         if named_host:
-            named_host[0].evidence["cpu_wait_ms"] = round(suspect.evidence["cpu_wait_ms"], 3)
+            named_host[0].evidence["cpu_wait_ms"] = round(_cpu_wait_ms(suspect.evidence), 3)
             continue
         for compute in [s for s in merged if s.rank == suspect.rank and s.kind == "compute"]:
             if compute.evidence.get("impact_ms", 0.0) <= _EXPLAINS * suspect.evidence["impact_ms"]:

@@ -57,7 +57,8 @@ the time its peers spend on the *same* work, after taking the waiting out:
   the other lone stages, where the excess costs ``min_slowdown`` of a step;
 * **waits for a CPU** (``scan.cpu_rules``): a rank whose training thread was runnable but had no CPU (the
   kernel's run-queue delay, ``scan.sched``: another process's time slices, a container's CPU limit) for
-  ``min_slowdown`` of a step more than the other ranks' is ``host``, wherever the lost time fell.
+  ``min_slowdown`` of a step more than the other ranks', or than in its own earlier steps, is ``host``, wherever
+  the lost time fell.
 
 A member is flagged when its excess over the peers' healthy level is at least ``min_slowdown`` *and* its log
 ratio to that level is at least ``min_z`` standard errors (timing noise is multiplicative; few or noisy samples
@@ -111,7 +112,7 @@ from lightning_megatron.scan.compute_rules import (
     step_suspects,
     wait_evidence,
 )
-from lightning_megatron.scan.cpu_rules import cpu_wait_suspects, merge_cpu_waits
+from lightning_megatron.scan.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
 from lightning_megatron.scan.gpu_measure import busy_times, host_pacing
 from lightning_megatron.scan.measure import (
     Link,
@@ -218,7 +219,9 @@ def detect(
         found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, min_impact_us, kind)
         suspects += _as_share_of_step(found, median_step_us)
     suspects += _host_in_step_suspects(traces, per_rank, suspects, median_step_us, min_slowdown, min_z)
-    found = cpu_wait_suspects(traces, per_rank, cpu_waits(traces), median_step_us, min_slowdown)
+    waited = cpu_waits(traces)
+    found = cpu_wait_suspects(traces, per_rank, waited, median_step_us, min_slowdown)
+    found += cpu_wait_history_suspects(traces, per_rank, waited, suspects + found, median_step_us, min_slowdown)
     suspects = merge_cpu_waits(suspects, found)
     suspects = _fold_consequences(suspects)
     suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))

@@ -20,7 +20,8 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
   ======================  =====================================  ==================================================
   cat                     name                                   args
   ======================  =====================================  ==================================================
-  ``step``                ``step 12``                            step
+  ``step``                ``step 12``                            step; cpu_wait_us (the training thread's run-queue
+                                                                 delay in the step, ``scan.sched``; Linux)
   ``compute``             ``forward`` / ``backward``             step, microbatch, chunk; on GPUs also
                                                                  enqueue_us, queued_us (``scan.recorder``)
   ``compute.layer``       ``layer 3 attention`` / ``... mlp``    step, layer, part, direction (forward|backward)
@@ -36,7 +37,8 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
   ``data``                ``data-fetch`` (the loader's ``next``) step (of the step it precedes)
   ``sync``                ``step-sync`` (Lightning's per-batch   step (of the step it precedes)
                           synchronisation of the ranks)
-  ``host``                ``host-gap`` (between two steps)       step; older traces: ``data`` / ``data-wait``
+  ``host``                ``host-gap`` (between two steps)       step, cpu_wait_us (as ``step``); older traces:
+                                                                 ``data`` / ``data-wait``
   ======================  =====================================  ==================================================
 
 Matching across ranks (what aggregation draws as flows and detection compares):
