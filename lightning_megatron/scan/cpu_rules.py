@@ -11,8 +11,9 @@ a CPU of its own waits for none, whatever its stage or its work, so each rank is
 the job, step by step:
 
 * per step, the rank's wait against the median of the others' in that step (what all ranks share in a step
-  cancels; the median, not the lower half's, so that healthy steps give differences centred on zero for the test); the mean of these excesses is the time the rank lost per step, reported as its share of the
-  job's median step (``slowdown``) and named where it is at least ``min_slowdown`` of it;
+  cancels; the median, not the lower half's, so that healthy steps give differences centred on zero for the
+  test); the mean of these excesses is the time the rank lost per step, reported as its share of the job's median
+  step (``slowdown``) and named where it is at least ``min_slowdown`` of it;
 * the excesses must be above zero beyond chance: ``compare.sign_flip_p``, at ``_ALPHA`` (or ``_ALPHA_LARGE`` for
   twice the bar, bursts that spare some steps: a CPU limit stops the process in the periods it overran, not in
   every step), Bonferroni over the ranks tested.
@@ -25,7 +26,8 @@ One rank, one name (``merge_cpu_waits``): a rank already named ``host`` keeps th
 evidence, and a ``compute`` suspect whose excess the CPU wait explains (on CPUs, a compute span that lost time
 slices) becomes evidence of the ``host`` suspect.
 
-Ranks without the counter (not Linux, older traces) are left out, and a job needs two ranks with it.
+Ranks without the counter (not Linux, older traces) are left out; the comparison with the others needs two ranks
+with it, the one with its own earlier steps 16 analysed steps (8 on each side of a split).
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ host waits in (``scan.waits``), host suspects out, by a third:
   a stage whose host blocks (a synchronous upload, a long garbage collection) is compared with the other lone
   stages, and named ``host`` where it costs ``min_slowdown`` of the job's median step.
 
-The two compute rules use only the spans the GPU paced (``measure.host_paced``): a launch-bound forward lasts as long as its
-host takes to queue it, and host noise (a slow loader's process, CPU contention) would pass for a slow stage.
-Their suspects therefore stay ``compute`` (``gpu_paced_only``: ``attribute_host`` leaves them).
+The two compute rules use only the spans the GPU paced (``measure.host_paced``): a launch-bound forward lasts as
+long as its host takes to queue it, and host noise (a slow loader's process, CPU contention) would pass for a slow
+stage. Their suspects therefore stay ``compute`` (``gpu_paced_only``: ``attribute_host`` leaves them).
 
 Ranks are compared only with other lone stages; stages carry different extra work (the embedding, the output
 layer and loss), which is why whole-stage compute is not compared, and why another stage is a weaker baseline
