@@ -13,8 +13,8 @@
 
 Nothing is left behind: stress-ng runs in its own process group, is killed with it at fit end, at teardown and at
 interpreter exit, and carries its own ``--timeout`` in case all of those are skipped (``kill -9`` of the rank).
-The quota's cgroup is left and removed at the same moments (a cgroup whose processes died is removed at the next
-``CpuQuota`` of the same name, which a killed rank's successor makes).
+The quota's cgroup is left and removed at the same moments; one whose process was killed (``kill -9``) is removed
+by the next ``CpuQuota`` that starts on the machine.
 """
 
 from __future__ import annotations
@@ -144,6 +144,9 @@ def cpu_quota_available() -> bool:
     return usable
 
 
+_QUOTA_PREFIX = "lightning-megatron-quota-"
+
+
 class CpuQuota(_FromStepUntilFitEnd):
     """Rank ``rank``'s process under a CPU limit of ``cpus`` CPUs per ``period_ms`` (CFS bandwidth control) from
     global step ``start_step`` until fit end: a cgroup of its own, the process (all its threads) moved in, and
@@ -166,9 +169,13 @@ class CpuQuota(_FromStepUntilFitEnd):
 
     def _start(self) -> None:
         home, version = _cpu_cgroup()  # type: ignore[misc]  (checked in __init__)
-        cgroup = home / f"lightning-megatron-quota-{os.getpid()}"
+        for stale in home.glob(f"{_QUOTA_PREFIX}*"):  # left by killed processes
+            pid = stale.name[len(_QUOTA_PREFIX) :]
+            if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+                _empty_and_remove(stale, home)
+        cgroup = home / f"{_QUOTA_PREFIX}{os.getpid()}"
         if cgroup.exists():
-            _empty_and_remove(cgroup, home)  # left by a killed process of the same pid
+            _empty_and_remove(cgroup, home)
         cgroup.mkdir()
         quota_us = max(1000, int(self.cpus * self.period_us))
         if version == "v1":
@@ -193,9 +200,12 @@ class CpuQuota(_FromStepUntilFitEnd):
 
 def _empty_and_remove(cgroup: Path, home: Path) -> None:
     """Move every process of ``cgroup`` (the rank, and children it forked inside) back to ``home``, then remove it."""
-    for pid in (cgroup / "cgroup.procs").read_text().split():
-        try:
-            (home / "cgroup.procs").write_text(pid)
-        except ProcessLookupError:
-            pass
-    cgroup.rmdir()
+    try:
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            try:
+                (home / "cgroup.procs").write_text(pid)
+            except ProcessLookupError:
+                pass
+        cgroup.rmdir()
+    except FileNotFoundError:  # removed meanwhile (another rank's CpuQuota cleaning up)
+        pass

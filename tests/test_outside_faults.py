@@ -75,12 +75,12 @@ def share(seconds=0.6):
 home = cpu_cgroup()
 quota.on_train_batch_start(SimpleNamespace(global_rank=1, global_step=5), None, None, 0)  # another rank
 quota.on_train_batch_start(SimpleNamespace(global_rank=0, global_step=1), None, None, 0)  # before its step
-result = {{"before": share(), "moved_early": cpu_cgroup() != home}}
+result = {{"moved_early": cpu_cgroup() != home}}
 quota.on_train_batch_start(SimpleNamespace(global_rank=0, global_step=2), None, None, 0)
 cgroup = quota.cgroup
 result.update(during=share(), throttled=quota.throttled()["nr_throttled"], inside=cpu_cgroup() != home)
 getattr(quota, {end!r})(*{args})
-result.update(back=cpu_cgroup() == home, left=cgroup.exists(), after=share(0.3))
+result.update(back=cpu_cgroup() == home, left=cgroup.exists())
 print(json.dumps(result))
 """
 
@@ -89,8 +89,8 @@ print(json.dumps(result))
 @pytest.mark.parametrize("end", ["on_fit_end", "on_exception", "teardown"])
 def test_a_cpu_quota_limits_the_ranks_process_from_its_step_and_is_removed(end: str) -> None:
     """In a child process (a failure must not leave pytest throttled): the limit applies only on its rank and from
-    its step, the process gets about its quota of CPU time (a quarter), and at the end it is back in its own
-    cgroup, at full speed, with the quota's cgroup gone."""
+    its step, the kernel throttles the process to about its quota of CPU time (a quarter), and at the end it is
+    back in its own cgroup with the quota's cgroup gone."""
     args = {
         "on_fit_end": "(None, None)",
         "on_exception": "(None, None, RuntimeError())",
@@ -104,10 +104,41 @@ def test_a_cpu_quota_limits_the_ranks_process_from_its_step_and_is_removed(end: 
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert not result["moved_early"] and result["inside"] and result["back"] and not result["left"], result
     assert result["throttled"] > 0 and result["during"] < 0.45, result  # 0.25 CPUs, with slack for the period edges
-    assert result["before"] > 0.6 and result["after"] > 0.6, result  # a loaded CI machine still gives more
 
 
 def test_a_cpu_quota_refuses_bad_settings() -> None:
     for kwargs, word in ((dict(cpus=0), "cpus"), (dict(period_ms=0.1), "period_ms")):
         with pytest.raises(ValueError, match=word):
             CpuQuota(rank=0, **kwargs)
+
+
+@needs_cgroups
+def test_a_cpu_quota_removes_the_cgroup_a_killed_process_left() -> None:
+    """``kill -9`` skips every hook: the next ``CpuQuota`` on the machine removes the cgroup left behind."""
+    from types import SimpleNamespace
+
+    code = (
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'benchmarks')!r})\n"
+        "from types import SimpleNamespace\n"
+        "from outside_faults import CpuQuota\n"
+        "quota = CpuQuota(rank=0)\n"
+        "quota.on_train_batch_start(SimpleNamespace(global_rank=0, global_step=0), None, None, 0)\n"
+        "print(quota.cgroup, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        left = Path(child.stdout.readline().strip())
+        assert left.exists()
+    finally:
+        child.kill()
+        child.wait()
+    assert left.exists()  # nothing ran at its death
+    quota = CpuQuota(rank=0)
+    quota.on_train_batch_start(SimpleNamespace(global_rank=0, global_step=0), None, None, 0)
+    try:
+        assert not left.exists()
+    finally:
+        quota.stop()
+    assert quota.cgroup is None
