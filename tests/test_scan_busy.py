@@ -1,4 +1,4 @@
-"""GPU busy time per span (``scan.busy``) and the rule that uses it (``compute_rules.attribute_busy``), on CPU.
+"""GPU busy time per span (``scan.busy``) and the rule that uses it (``attribution.attribute_busy``), on CPU.
 
 The GPU recorder hands a window's profiler records to ``busy_timeline`` and asks the timeline for each span; here
 the same functions get records built by hand (alignment, union, exclusions) and, through ``scan.synthetic``'s

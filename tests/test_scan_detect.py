@@ -343,9 +343,20 @@ def test_module_boundaries() -> None:
     (``detect``) use measuring, comparing and reporting; measuring reads ``format`` and fills ``report``'s
     per-rank summaries (``waits`` measures on what it read); comparing and reporting import nothing."""
     expected = {
-        "detect": {"compare", "compute_rules", "cpu_rules", "gpu_measure", "measure", "report", "stage_rules", "waits"},
+        "detect": {
+            "attribution",
+            "compare",
+            "compute_rules",
+            "cpu_rules",
+            "gpu_measure",
+            "measure",
+            "report",
+            "stage_rules",
+            "waits",
+        },
+        "attribution": {"compare", "compute_rules", "gpu_measure", "measure", "report"},
         "cpu_rules": {"compare", "compute_rules", "measure", "report", "waits"},
-        "compute_rules": {"compare", "gpu_measure", "measure", "report"},
+        "compute_rules": {"compare", "measure", "report"},
         "stage_rules": {"compare", "compute_rules", "measure", "report", "waits"},
         "measure": {"format", "report"},
         "waits": {"measure"},

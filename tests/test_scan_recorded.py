@@ -110,6 +110,9 @@ def test_one_process_clean_fits_and_cpu_contention_name_nothing(one_gpu: Path) -
     for fit in [f"clean-{i}" for i in range(5)] + ["cpu-contention-0"]:
         report = detect(one_gpu / fit)
         assert report.suspects == [], (fit, report.table())
+        # one process has no other stage: the advice to trace layers (for lone pipeline stages) does not apply
+        assert any("one rank, no peers" in w for w in report.warnings), report.warnings
+        assert not any("granularity='layer'" in w for w in report.warnings), report.warnings
 
 
 def test_one_process_changes_that_begin_early_are_found_against_its_own_history(one_gpu: Path) -> None:

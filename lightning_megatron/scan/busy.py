@@ -10,7 +10,7 @@ rest, and ``scan.synthetic`` feeds them simulated kernels, so the CPU tests run 
 Why: a span is GPU wall time between two events. A host that sleeps between launches (CPU contention, Python)
 stretches it with gaps in which the GPU idles; a slower GPU, or one that another process time-slices *inside*
 the kernels, stretches the kernels themselves. The union of kernel intervals inside a span separates the two;
-``scan.compute_rules.attribute_busy`` names ``compute`` only where this busy time grew.
+``scan.attribution.attribute_busy`` names ``compute`` only where this busy time grew.
 
 What counts as busy: this process's kernels, memcpys and memsets, on any stream (overlaps counted once), except
 communication kernels (NCCL: they spin while waiting for a peer, so their length says who was late, not how fast

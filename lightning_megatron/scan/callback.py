@@ -1,4 +1,5 @@
-"""``MegaScan``: trace windows of training steps on every rank, and name the slow ones at fit end.
+"""``MegaScan``: trace windows of training steps on every rank, and name the slow ones at fit end (and during the
+fit, ``scan.online``).
 
 Everything of a run lands in one directory, by default ``<trainer.log_dir>/megascan`` (beside the logger's
 files, so ``tensorboard --logdir runs/`` finds a run's metrics and its Kineto traces together): the rank files,
@@ -28,6 +29,7 @@ from lightning_megatron.scan.clock import ClockOffset, clock_domain, measure_off
 from lightning_megatron.scan.collectives import CollectiveTracer
 from lightning_megatron.scan.format import TID, clock_metadata, open_for_append, rank_file_name, rank_metadata
 from lightning_megatron.scan.layers import LayerTracer
+from lightning_megatron.scan.online import OnlineDetection, write_report
 from lightning_megatron.scan.profile import PROFILE_OPTIONS, StepProfiler
 from lightning_megatron.scan.recorder import Span, SpanRecorder
 from lightning_megatron.scan.report import REPORT_FILE
@@ -139,16 +141,14 @@ class MegaScan(pl.Callback, StepListener):
         self.profile_steps = self._check_profile(profile_steps, profile_options)
         self.profile_options = dict(profile_options or {})
         self.detect_every, self.detect_steps, self.on_detect = detect_every, detect_steps, on_detect
-        self.online: list[dict[str, Any]] = []
-        """Online detections: ``{"step", "report", "appeared", "recovered"}`` each (rank 0)."""
         self._windows = 0
-        self._suspected: set[tuple[int, str]] = set()
         self._trace_dir_arg = trace_dir
         self.trace_dir: Optional[Path] = Path(trace_dir) if trace_dir is not None else None
         """Where the files go; resolved in ``setup`` when the argument was None."""
         self.granularity = granularity
         self.detect, self.gzip, self.clock_rounds = detect, gzip, clock_rounds
         self.detect_options = dict(detect_options or {})
+        self._online = OnlineDetection(detect_steps, start_step, self.detect_options, on_detect)
         self.report: Any = None
         self.path: Optional[Path] = None
         self._strategy: Any = None
@@ -196,6 +196,11 @@ class MegaScan(pl.Callback, StepListener):
                 f"MegaScan(profile_options=...): unknown {unknown}; choose from {sorted(PROFILE_OPTIONS)}."
             )
         return sorted(set(steps))
+
+    @property
+    def online(self) -> list[dict[str, Any]]:
+        """Online detections: ``{"step", "report", "appeared", "recovered"}`` each (rank 0; ``scan.online``)."""
+        return self._online.history
 
     # -- which steps -------------------------------------------------------------------------------
     def is_traced(self, step: int) -> bool:
@@ -373,46 +378,13 @@ class MegaScan(pl.Callback, StepListener):
                 self._finish_window()
                 self._windows += 1
                 if self.detect_every and self._windows % self.detect_every == 0:
-                    self._detect_online(trainer, step)
+                    if self._online.run(trainer, self.trace_dir, step):
+                        trainer.should_stop = True
         if self._profiler is not None:  # saving a trace takes a while: before the next host gap starts
             self._profiler.end()
         self._last_batch_end = now_us()
         self._delay_at["batch_end"] = self._run_delay.read()
         self._fetches, self._syncs = [], []  # what comes from here on belongs to the gap before the next step
-
-    def _detect_online(self, trainer: pl.Trainer, step: int) -> None:
-        """Detection over the recent steps, during the fit (every rank calls this at the same step)."""
-        trainer.strategy.barrier("megascan-online")  # every rank's window is on disk
-        stop = False
-        if trainer.is_global_zero:
-            from lightning_megatron.scan.detect import detect, log_to
-
-            since = max(step - self.detect_steps + 1, self.start_step)
-            report = detect(self.trace_dir, since_step=since, **self.detect_options)
-            self._save_report(report)
-            now = {(s.rank, s.kind) for s in report.suspects}
-            appeared, recovered = sorted(now - self._suspected), sorted(self._suspected - now)
-            self._suspected = now
-            self.online.append({"step": step, "report": report, "appeared": appeared, "recovered": recovered})
-            for suspect in report.suspects:
-                if (suspect.rank, suspect.kind) in appeared:
-                    lost = suspect.evidence.get("impact_ms")
-                    cost = f", {lost:.1f} ms lost per step" if lost is not None else ""
-                    print(
-                        f"MegaScan at step {step}: rank {suspect.rank} is slow ({suspect.kind}, "
-                        f"+{suspect.slowdown:.0%}{cost})",
-                        flush=True,
-                    )
-            for rank, kind in recovered:
-                print(f"MegaScan at step {step}: rank {rank} recovered ({kind})", flush=True)
-            if trainer.logger is not None:
-                log_to(trainer.logger, report, step)
-                if recovered:
-                    trainer.logger.log_metrics({"megascan/recovered": float(len(recovered))}, step=step)
-            if self.on_detect is not None:
-                stop = bool(self.on_detect(report, trainer))
-        if trainer.strategy.broadcast(stop, src=0):
-            trainer.should_stop = True
 
     def _finish_window(self) -> None:
         self._collectives.uninstall()
@@ -537,20 +509,12 @@ class MegaScan(pl.Callback, StepListener):
             from lightning_megatron.scan.detect import detect, log_to
 
             self.report = detect(self.trace_dir, **self.detect_options)
-            self._save_report(self.report)
+            write_report(self.trace_dir, self.report)
             print(f"MegaScan ({self.trace_dir}):\n{self.report.table()}", flush=True)
             if trainer.logger is not None:
                 log_to(trainer.logger, self.report, trainer.global_step)
         if self.detect:
             self.report = trainer.strategy.broadcast(self.report, src=0)
-
-    def _save_report(self, report: Any) -> None:
-        """``megascan-report.json`` (``DetectionReport.from_json`` reads it back), replaced whole: a reader never
-        sees half a report, and the latest detection (online, then the fit-end one) is what it holds."""
-        path = self.trace_dir / REPORT_FILE
-        partial = path.with_suffix(".json.partial")
-        partial.write_text(report.to_json())
-        partial.replace(path)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()

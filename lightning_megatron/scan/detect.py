@@ -40,7 +40,7 @@ the time its peers spend on the *same* work, after taking the waiting out:
   ``data-wait``, which also held Lightning's per-step work and named host slowness "data"); and, as compute,
   each rank against its own earlier steps (a loader that turned slow during the run; one process has no peer);
 * **busy, not idle**: where GPU traces carry busy time (``busy_us``, ``scan.busy``), a compute suspect stays
-  ``compute`` only if its kernel time grew too (``compute_rules.attribute_busy``); an excess of idle GPU time is
+  ``compute`` only if its kernel time grew too (``attribution.attribute_busy``); an excess of idle GPU time is
   ``host`` where its host queued the work slower, and otherwise dropped with a note;
 * **host inside steps**: on GPUs without busy time, a compute suspect whose GPU reached most spans as soon as the
   host queued them (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
@@ -89,6 +89,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
 
+from lightning_megatron.scan.attribution import attribute_busy, attribute_host
 from lightning_megatron.scan.compare import (
     compare_with_peers,
     later_steps_change,
@@ -100,8 +101,6 @@ from lightning_megatron.scan.compare import (
 )
 from lightning_megatron.scan.compute_rules import (
     MIN_STEPS,
-    attribute_busy,
-    attribute_host,
     compute_suspects,
     flagged,
     history_alpha,

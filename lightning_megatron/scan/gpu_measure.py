@@ -8,7 +8,7 @@ The contract, as ``scan.measure``'s: rank traces in, numbers out, nothing decide
 * **GPU busy time** (``busy_times``): with ``gpu_busy``, the kernel time inside the spans that net compute sums
   (``args.busy_us``, ``scan.busy``), the host's time to queue them (``enqueue_us``) and their net lengths, per
   step (steps whose every such span has it), per op, and per layer part (GPU-paced spans only, as
-  ``measure.layer_parts_per_step``): what ``compute_rules.attribute_busy`` compares.
+  ``measure.layer_parts_per_step``): what ``attribution.attribute_busy`` compares.
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def _evidence_text(suspect: Suspect) -> str:
             f"; last at {100 * e['last_arrival_fraction']:.0f}% of its {e['collective_group']} collectives"
             f" (imposed {e['imposed_wait_ms']:.2f} ms)"
         )
-    if "busy_excess" in e:  # GPU busy time decided compute or host (compute_rules.attribute_busy)
+    if "busy_excess" in e:  # GPU busy time decided compute or host (attribution.attribute_busy)
         text += f"; GPU busy {e['busy_ms']:.2f} ms vs {e['baseline_busy_ms']:.2f} ms ({100 * e['busy_excess']:+.0f}%)"
         if "host_queue_excess" in e and suspect.kind == "host":
             text += f", host queueing {100 * e['host_queue_excess']:+.0f}%"

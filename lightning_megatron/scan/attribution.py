@@ -1,0 +1,301 @@
+"""Is a compute suspect a slow GPU, a late host, or nothing? The attribution step of ``scan.detect``.
+
+The contract: compute suspects in (from the rules of ``scan.compute_rules`` and ``scan.stage_rules``), the same
+suspects out, each kept as ``compute``, renamed ``host``, or dropped with a note; the suspects of other kinds pass
+through unchanged.
+
+A compute span is GPU wall time between two events, so a slower GPU, kernels time-sliced with another process,
+and a host that queued the work late all make it longer. Two measurements tell them apart:
+
+* **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.busy``, ``scan.gpu_measure``): the
+  suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer are the
+  GPU's own work (``compute``); an excess made of idle time between kernels is the host's, if its host also took
+  longer to queue the same work, and nobody's otherwise.
+* **Queue fields** (``attribute_host``, elsewhere): a rank whose GPU started most spans as soon as its host queued
+  them was paced by its host; it is named ``host`` only if that host queued the same ops slower than its peers'.
+
+Kept apart from the rules because it judges their output with other measurements; the rules decide who is slow,
+this module what kind of slow.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_megatron.scan.compare import lower_half_median, trimmed_mean
+from lightning_megatron.scan.compute_rules import HISTORY_RULE, peer_groups
+from lightning_megatron.scan.gpu_measure import BusyTimes
+from lightning_megatron.scan.measure import RankTrace
+from lightning_megatron.scan.report import Suspect
+
+__all__ = ["attribute_busy", "attribute_host"]
+
+
+def attribute_host(
+    suspects: list[Suspect],
+    pacing: dict[int, float],
+    traces: dict[int, RankTrace],
+    min_slowdown: float,
+    notes: list[str],
+) -> list[Suspect]:
+    """Compute suspects whose spans the host paced become ``host`` suspects (GPU traces with queue fields), or are
+    dropped where their host was no slower than their peers'. Returns the suspects kept.
+
+    A slow GPU runs behind a full queue; a GPU whose host is slow (CPU contention, a Python-heavy step) reaches
+    each span as soon as it is queued, and its spans last as long as the host takes. Where at least half of a
+    suspect's compute spans were host-paced and 30 points more of them than of its peers', the host paced it.
+    That alone does not make the host slow: in a launch-bound job (little GPU work per kernel) one host always
+    paces the step, and its peers' GPUs, ahead, wait in the collectives, so the pacing rank's net compute looks
+    several times theirs although its host is no slower. So the host is named only where it took at least
+    ``min_slowdown`` longer than its peers' hosts to queue the same ops (``enqueue_us``, per op, median of the
+    ratios); otherwise the suspect is dropped with a note."""
+    groups = peer_groups(traces)
+    kept = []
+    for suspect in suspects:
+        if suspect.kind != "compute" or suspect.rank not in pacing or "busy_excess" in suspect.evidence:
+            kept.append(suspect)  # busy time, where there is some, has decided already (attribute_busy)
+            continue
+        if suspect.evidence.get("gpu_paced_only"):
+            kept.append(suspect)  # its rule measured only spans the GPU paced: the host did not make them longer
+            continue
+        peer_ranks = [r for r in groups[suspect.pp] if r != suspect.rank and r in pacing]
+        peers = [pacing[r] for r in peer_ranks]
+        own = pacing[suspect.rank]
+        suspect.evidence["host_paced_fraction"] = round(own, 3)
+        if peers:
+            suspect.evidence["peers_host_paced_fraction"] = round(statistics.median(peers), 3)
+        if not (own >= 0.5 and own >= (statistics.median(peers) if peers else 0.0) + 0.3):
+            kept.append(suspect)
+            continue
+        excess = _host_excess(traces, suspect.rank, peer_ranks)
+        if excess is not None:
+            suspect.evidence["host_queue_excess"] = round(excess, 4)
+            if excess < min_slowdown:
+                notes.append(
+                    f"rank {suspect.rank}: its GPU waited for its host (host-paced spans {100 * own:.0f}%), but "
+                    f"the host queued the same ops only {100 * excess:+.0f}% slower than its peers': a launch-bound "
+                    "job paced by one host, not a slow rank (not named)"
+                )
+                continue
+        suspect.kind = "host"
+        suspect.evidence["why_host"] = (
+            "its GPU started most compute spans as soon as the host queued them: the host paced the work"
+        )
+        kept.append(suspect)
+    return kept
+
+
+def _host_excess(traces: dict[int, RankTrace], rank: int, peers: list[int]) -> Optional[float]:
+    """How much longer ``rank``'s host took to queue its compute ops than its peers' hosts (median over ops of
+    the ratio of median ``enqueue_us``, minus 1); None without queue fields on both sides."""
+
+    def per_op(r: int) -> dict[str, float]:
+        samples: dict[str, list[float]] = defaultdict(list)
+        for s in traces[r].spans:
+            if s["cat"] == "compute" and "enqueue_us" in (s.get("args") or {}):
+                samples[s["name"]].append(float(s["args"]["enqueue_us"]))
+        return {op: statistics.median(values) for op, values in samples.items()}
+
+    own = per_op(rank)
+    theirs = [per_op(p) for p in peers]
+    ratios = []
+    for op, value in own.items():
+        base = [t[op] for t in theirs if op in t and t[op] > 0]
+        if base:
+            ratios.append(value / statistics.median(base))
+    return statistics.median(ratios) - 1.0 if ratios else None
+
+
+_HOST_AHEAD = 0.5  # queueing time under this share of the spans' time: the host was not what the GPU waited for
+_BUSY_MIN_STEPS = 3  # steps with busy time on the suspect and every peer, to compare per step (else per op)
+
+
+def attribute_busy(
+    suspects: list[Suspect],
+    traces: dict[int, RankTrace],
+    busy: dict[int, BusyTimes],
+    min_slowdown: float,
+    notes: list[str],
+) -> list[Suspect]:
+    """Compute suspects judged on GPU busy time where the trace has it (``scan.busy``); returns the suspects kept.
+
+    A span's excess is either kernel time (a slower GPU, or kernels time-sliced with another process: the GPU's
+    own work took longer) or time in which the GPU idled between kernels (a host that queued the work late,
+    launch gaps). The suspect's busy time is compared with the same baseline as the rule that named it (its
+    stage's peers per step, or per op where fewer than 3 steps have busy time everywhere; the other lone stages
+    per layer part; its own earlier steps): ``busy_excess``; only if the same spans in those windows were slower
+    too (the span excess; else the windows missed the slowdown and the suspect is kept as named, with
+    ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``. Below that,
+    its excess is time the GPU did not run the rank's kernels. On layer parts across stages, where the host
+    queued the spans in under half their length (``queue_share``), the host was ahead: the GPU ran another
+    process's work between them, and it stays ``compute``. Otherwise it becomes ``host`` where its host also
+    took ``min_slowdown`` longer to queue the same work (``enqueue_us``, same baseline), and is dropped with a
+    note otherwise (idle time that neither its kernels nor its host explain: a launch-bound job paced by one
+    host, or waits on another stream). Suspects without busy time on both sides are left as they are
+    (``attribute_host``)."""
+    groups = peer_groups(traces)
+    kept = []
+    for suspect in suspects:
+        compared = _busy_comparison(suspect, busy, groups) if suspect.kind == "compute" else None
+        if compared is None:
+            kept.append(suspect)
+            continue
+        busy_excess, host_excess, basis = compared.busy_excess, compared.host_excess, compared.basis
+        own_us, base_us, span_excess = compared.own_us, compared.base_us, compared.span_excess
+        evidence = suspect.evidence
+        if span_excess < min_slowdown:
+            # The windows that measured busy time did not catch the slowdown (bursts, or a slowdown that began
+            # later): their kernels cannot say what the other steps' excess was made of.
+            evidence.update(busy_window_span_excess=round(span_excess, 4), busy_baseline=basis)
+            kept.append(suspect)
+            continue
+        evidence.update(
+            busy_excess=round(busy_excess, 4),
+            busy_ms=own_us / 1000,
+            baseline_busy_ms=base_us / 1000,
+            busy_baseline=basis,
+        )
+        if busy_excess >= min_slowdown:
+            evidence["why_compute"] = f"its GPU's kernels took {busy_excess:+.0%} longer than on {basis}"
+            kept.append(suspect)
+            continue
+        if host_excess is not None:
+            evidence["host_queue_excess"] = round(host_excess, 4)
+        share = compared.queue_share
+        if share is not None and share < _HOST_AHEAD:
+            # Its host had queued each span's work in a fraction of the span, so it was not late: the GPU ran
+            # other work between this rank's kernels (2x H200, a second process on the GPU: one layer part of
+            # the slow stage 2.7 ms, queued in 0.9 ms; where the time slices fell between kernels, not inside
+            # them, its busy time grew only 6%).
+            evidence["queue_share"] = round(share, 3)
+            evidence["why_compute"] = (
+                f"its host queued the work in {share:.0%} of the spans' length, yet its kernels took only "
+                f"{busy_excess:+.0%} against {basis}: its GPU ran other work between them (another process)"
+            )
+            kept.append(suspect)
+            continue
+        if host_excess is not None and host_excess >= min_slowdown:
+            suspect.kind = "host"
+            evidence["why_host"] = (
+                f"its GPU's kernels took {busy_excess:+.0%} against {basis}: the excess is time its GPU idled "
+                f"between kernels, and its host queued the same work {host_excess:+.0%} slower"
+            )
+            kept.append(suspect)
+            continue
+        queued = f"{host_excess:+.0%}" if host_excess is not None else "unknown"
+        notes.append(
+            f"rank {suspect.rank}: spans {suspect.slowdown:+.0%} against {basis}, but its GPU's kernels only "
+            f"{busy_excess:+.0%} and its host's queueing {queued}: idle GPU time that neither explains (a "
+            "launch-bound job paced by one host, or waits on another stream), not named"
+        )
+    return kept
+
+
+@dataclass
+class _BusyComparison:
+    """A suspect's busy time against the baseline of the rule that named it (``basis``)."""
+
+    busy_excess: float
+    host_excess: Optional[float]  # the host's queueing time, compared the same way
+    basis: str
+    own_us: float
+    base_us: float
+    span_excess: float  # the same spans' net lengths compared the same way: did the sampled windows catch it?
+    queue_share: Optional[float] = None  # own queueing time over own span time (GPU-paced layer parts)
+
+
+def _busy_comparison(
+    suspect: Suspect, busy: dict[int, BusyTimes], groups: dict[int, list[int]]
+) -> Optional[_BusyComparison]:
+    """The suspect's ``_BusyComparison``; None without busy time on both sides."""
+    own = busy.get(suspect.rank)
+    if own is None:
+        return None
+    rule = suspect.evidence.get("rule", "")
+    if rule == HISTORY_RULE:
+        (a, b), (c, d) = suspect.evidence["earlier_steps"], suspect.evidence["later_steps"]
+
+        def halves(per_step: dict[int, float]) -> tuple[list[float], list[float]]:
+            return [v for s, v in per_step.items() if a <= s <= b], [v for s, v in per_step.items() if c <= s <= d]
+
+        before, after = halves(own.busy_per_step)
+        if min(len(before), len(after)) < _BUSY_MIN_STEPS:
+            return None
+        # trimmed means, as the rule that named it (``compare.later_steps_change``)
+        queue_before, queue_after = halves(own.enqueue_per_step)
+        host = None
+        if queue_before and queue_after:
+            host = trimmed_mean(queue_after) / trimmed_mean(queue_before) - 1.0
+        span_before, span_after = halves(own.span_per_step)
+        span = trimmed_mean(span_after) / trimmed_mean(span_before) - 1.0
+        base, value = trimmed_mean(before), trimmed_mean(after)
+        return _BusyComparison(value / base - 1.0, host, "its own earlier steps", value, base, span)
+    if suspect.evidence.get("across_stages"):
+        # A typical layer (the sum of the parts' medians), as the per-step rule compares: time slicing with
+        # another process stretched one part's kernels 3x and left the others alone (2x H200), which a median
+        # over the parts hides.
+        alone = [r for ranks in groups.values() if len(ranks) == 1 for r in ranks if r != suspect.rank]
+        others = [busy[r] for r in alone if r in busy and busy[r].busy_per_part]
+        found = _key_excess(own.busy_per_part, [t.busy_per_part for t in others])
+        spans = _key_excess(own.span_per_part, [t.span_per_part for t in others])
+        if found is None or spans is None or found[2] <= 0 or spans[2] <= 0:
+            return None
+        host = _key_excess(own.enqueue_per_part, [t.enqueue_per_part for t in others])
+        host_excess = host[1] / host[2] - 1.0 if host and host[2] > 0 else None
+        return _BusyComparison(
+            found[1] / found[2] - 1.0,
+            host_excess,
+            "the other stages' same layer parts",
+            found[1],
+            found[2],
+            spans[1] / spans[2] - 1.0,
+            host[1] / spans[1] if host and spans[1] > 0 else None,
+        )
+    peers = [busy[r] for r in groups.get(suspect.pp, []) if r != suspect.rank and r in busy]
+    if not peers:
+        return None
+    steps = sorted(set(own.busy_per_step).intersection(*(p.busy_per_step for p in peers)))
+    if len(steps) >= _BUSY_MIN_STEPS:
+        found = _step_excess(own.busy_per_step, [p.busy_per_step for p in peers], steps)
+        spans = _step_excess(own.span_per_step, [p.span_per_step for p in peers], steps)
+        queued = [s for s in steps if s in own.enqueue_per_step and all(s in p.enqueue_per_step for p in peers)]
+        host = _step_excess(own.enqueue_per_step, [p.enqueue_per_step for p in peers], queued) if queued else None
+        return _BusyComparison(found[0], host[0] if host else None, "its peers per step", found[1], found[2], spans[0])
+    found = _key_excess(own.busy_per_key, [p.busy_per_key for p in peers])
+    spans = _key_excess(own.span_per_key, [p.span_per_key for p in peers])
+    if found is None or spans is None:
+        return None
+    host = _key_excess(own.enqueue_per_key, [p.enqueue_per_key for p in peers])
+    return _BusyComparison(found[0], host[0] if host else None, "its peers per op", found[1], found[2], spans[0])
+
+
+def _step_excess(own: dict[int, float], peers: list[dict[int, float]], steps: list[int]) -> tuple[float, float, float]:
+    """Trimmed mean over ``steps`` of own / the peers' lower-half median, minus 1; and own and baseline medians."""
+    base = [lower_half_median([p[s] for p in peers]) for s in steps]
+    ratios = [own[s] / b - 1.0 for s, b in zip(steps, base) if b > 0]
+    if not ratios:
+        return 0.0, 0.0, 0.0
+    return trimmed_mean(ratios), statistics.median(own[s] for s in steps), statistics.median(base)
+
+
+def _key_excess(
+    own: dict[str, list[float]], others: list[dict[str, list[float]]]
+) -> Optional[tuple[float, float, float]]:
+    """Median over the keys both sides have of own median / the others' lower-half median of medians, minus 1;
+    and the sums of those medians (own, baseline). None when no key is shared."""
+    ratios, own_sum, base_sum = [], 0.0, 0.0
+    for key, values in own.items():
+        theirs = [statistics.median(o[key]) for o in others if o.get(key)]
+        if not values or not theirs:
+            continue
+        base = lower_half_median(theirs)
+        if base > 0:
+            value = statistics.median(values)
+            ratios.append(value / base)
+            own_sum, base_sum = own_sum + value, base_sum + base
+    if not ratios:
+        return None
+    return statistics.median(ratios) - 1.0, own_sum, base_sum
