@@ -164,14 +164,17 @@ def _callbacks(
     return callbacks, wrap
 
 
-def _pin_cpus() -> None:
-    """CPU runs: each rank on CPUs of its own (an equal share, where there are at least as many CPUs as ranks), so
-    a fault on one rank's CPUs competes with that rank alone, as it would on a GPU host."""
+def _pin_cpus(per_rank: int | None = None) -> None:
+    """Each rank on CPUs of its own, so a fault on one rank's CPUs competes with that rank alone: on CPUs an equal
+    share (where there are at least as many CPUs as ranks), as it would be on a GPU host; on GPUs ``per_rank``
+    CPUs each (``--cpus-per-rank``), as a container's or a scheduler's CPU set gives them."""
     import torch
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cpus = sorted(os.sched_getaffinity(0))
-    share = len(cpus) // world
+    share = per_rank or len(cpus) // world
+    if share * world > len(cpus):
+        raise SystemExit(f"--cpus-per-rank {per_rank}: {world} ranks need {share * world} CPUs, {len(cpus)} here")
     if share >= 1:
         os.sched_setaffinity(0, cpus[rank * share : (rank + 1) * share])
         torch.set_num_threads(share)
@@ -182,8 +185,8 @@ def _worker(spec: dict[str, Any]) -> None:
 
     from lightning_megatron.scan import MegaScan
 
-    if spec["accelerator"] == "cpu":
-        _pin_cpus()
+    if spec["accelerator"] == "cpu" or spec.get("cpus_per_rank"):
+        _pin_cpus(spec.get("cpus_per_rank"))
 
     steps, runs = spec["steps"], spec["runs"]
     records: list[dict[str, Any]] = []
@@ -373,6 +376,12 @@ def main() -> int:
         default=0.5,
         help="single: the faults begin this fraction of the way through the traced steps",
     )
+    parser.add_argument(
+        "--cpus-per-rank",
+        type=int,
+        help="GPU runs: pin each rank to this many CPUs of its own (a container's CPU set); cpu-contention then "
+        "competes for those",
+    )
     parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
     parser.add_argument(
         "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
@@ -422,6 +431,7 @@ def main() -> int:
         "micro_batch_size": 1 if args.cpu else MICRO_BATCH[args.model],
         "steps": args.steps,
         "runs": args.runs,
+        "cpus_per_rank": args.cpus_per_rank,
     }
     command = " ".join(["python", "benchmarks/megascan_eval.py", *sys.argv[1:]])
     result: dict[str, Any] = {"what": "MegaScan detection against outside faults", **provenance(), "command": command}

@@ -66,6 +66,20 @@ def suspects(result: dict[str, Any]) -> dict[int, str]:
     return {s["rank"]: s["kind"] for s in result["report"]["suspects"]}
 
 
+def _waits_text(trace_dir: Path, report: dict[str, Any]) -> str:
+    """What a failed host-wait case needs to be understood: the report, and each rank's waits per step."""
+    from lightning_megatron.scan.detect import DetectionReport, read_traces
+    from lightning_megatron.scan.waits import host_waits_in_steps
+
+    waits = host_waits_in_steps(read_traces(trace_dir, [], None))
+    lines = [DetectionReport.from_json(report).table()]
+    for rank in sorted(waits.samples):
+        own = [round(v / 1000) for v in waits.samples[rank]]
+        synced = [round(v / 1000) for v in waits.synced[rank].values()]
+        lines.append(f"rank {rank}: in-step host waits {own} ms, waits for the others {synced} ms")
+    return "\n".join(lines)
+
+
 def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path) -> None:
     plain = ranks.run(WORLD, traced_fit, str(tmp_path / "none"), TP2_PP2, trace=False)
     traced = ranks.run(WORLD, traced_fit, str(tmp_path / "scan"), TP2_PP2, gzip=True)
@@ -348,6 +362,6 @@ def test_a_stall_before_a_collective_in_the_step_is_named_host(ranks: Any, tmp_p
     waits inside the step say who kept whom waiting (``waits.host_waits_in_steps``: ``synced``). Before, this was
     named by nothing (0 of 10 CPU runs at TP2)."""
     stall = ranks.run(WORLD, data_fault_fit, str(tmp_path / "stall"), "stall-in-step", TP2_PP2, timeout=300)
-    assert suspects(stall[0]) == {1: "host"}, stall[0]["report"]
+    assert suspects(stall[0]) == {1: "host"}, _waits_text(tmp_path / "stall", stall[0]["report"])
     (suspect,) = stall[0]["report"]["suspects"]
     assert suspect["evidence"]["where"].startswith("inside steps") and suspect["evidence"]["late_ms"] > 300, suspect

@@ -616,8 +616,9 @@ def test_one_process_whose_gpu_is_hit_by_bursts_from_halfway(tmp_path: Path) -> 
 def test_a_lone_rank_whose_loader_or_host_turns_slow_during_the_run(tmp_path: Path, fault: str) -> None:
     """One process has no peer to compare its fetches or host gaps with: its later steps against its own earlier
     ones. With a peer, a loader slow in half of the steps is not slower than the peer's in most steps, which the
-    peer rule asks: the history rule names it too."""
-    slow = {"data": {"slow_data": {0: 10.0}}, "host": {"slow_host": {0: 40.0}}, "clean": {}}
+    peer rule asks: the history rule names it too. A host gap must cost ``min_slowdown`` of a step against its
+    own history (80x the synthetic gap: about 15%; 40x, 7.5% of a step, is left unnamed)."""
+    slow = {"data": {"slow_data": {0: 10.0}}, "host": {"slow_host": {0: 80.0}}, "clean": {}}
     layout = dict(dp=1, pp=1, tp=1)
     if fault == "data-with-a-peer":
         layout, slow[fault] = dict(dp=2, pp=1, tp=1), {"slow_data": {0: 10.0}}
@@ -626,6 +627,10 @@ def test_a_lone_rank_whose_loader_or_host_turns_slow_during_the_run(tmp_path: Pa
         assert report.suspects == [], report.table()
         return
     suspect = only(report, 0, fault.split("-")[0])
+    if fault == "host":
+        assert suspect.slowdown >= 0.1, suspect
+        small, _ = run(tmp_path, "small", steps=24, slow_from_step=12, **layout, slow_host={0: 40.0})
+        assert small.suspects == [], small.table()
     assert suspect.evidence["rule"] == "later steps against the rank's own earlier steps", suspect.evidence
     assert suspect.evidence["earlier_steps"][1] < 12 <= suspect.evidence["later_steps"][0], suspect.evidence
     assert suspect.evidence["p_value"] < 0.001 and suspect.evidence["late_ms"] is None

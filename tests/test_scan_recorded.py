@@ -26,6 +26,12 @@
   ``--cpu``) with the training thread's waits for a CPU on every step (``cpu_wait_us``): a clean fit, a
   container's CPU limit on one rank (``outside_faults.CpuQuota``, 0.5 CPUs; DP2 and PP2) and our spinning
   competitor (DP2). Before that counter the span rules found the CPU limit in 6 of 10 DP2 and 2 of 10 PP2 fits.
+* ``tests/data/megascan_h100_single_cpuset.tar.gz``: six one-process fits on one H100 (the launch-bound ``small``
+  GPT, 34 steps, CUDA graphs, 2026-11-25, ``--layouts single --cpus-per-rank 1``): the process pinned to one of
+  the host's CPUs, as a container's CPU set would, and from step 18 our spinning competitor on that CPU (the job
+  26% slower). Three clean fits, and three with the competitor in which the rules before the 16th session named
+  a host gap 1-2 ms longer than before (2-4% of a step) instead of the 27-29 ms a step the training thread waited
+  for its CPU.
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def host_faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _extracted(tmp_path_factory, "megascan_h100_single_host.tar.gz", "host")
+
+
+@pytest.fixture(scope="module")
+def cpuset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _extracted(tmp_path_factory, "megascan_h100_single_cpuset.tar.gz", "cpuset")
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +225,18 @@ def test_a_rank_without_a_cpu_is_named_host_from_its_run_queue_delay(cpu_waits: 
         assert named(report) == [(rank, "host")], (fit, report.suspects)
         evidence = report.suspects[0].evidence
         assert evidence["cpu_wait_ms"] > 5 * evidence["baseline_ms"] and evidence["p_value"] < 0.025, evidence
+
+
+def test_a_gpu_process_sharing_its_one_cpu_is_named_for_its_waits_for_it(cpuset: Path) -> None:
+    """The headline is what the rank lost, the training thread's waits for its CPU (about 60% of a 48 ms step),
+    not a host gap a millisecond longer than before; clean fits name nothing (a host gap must cost ``min_slowdown``
+    of a step against the rank's own history)."""
+    for fit in ("clean-0", "clean-1", "clean-2"):
+        report = detect(cpuset / fit)
+        assert report.suspects == [], (fit, report.table())
+    for fit in ("cpu-contention-0", "cpu-contention-5", "cpu-contention-7"):
+        report = detect(cpuset / fit)
+        hosts = [s for s in report.suspects if s.kind == "host"]
+        assert len(hosts) == 1 and hosts[0].rank == 0, (fit, report.table())
+        assert "waits for a CPU" in hosts[0].evidence["rule"] and hosts[0].impact_ms > 20, (fit, report.table())
+        assert hosts[0] is report.suspects[0], (fit, report.table())  # the largest cost comes first

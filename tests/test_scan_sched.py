@@ -108,9 +108,16 @@ def test_one_process_that_loses_its_cpu_during_the_run_is_named_against_its_own_
     assert (suspect.rank, suspect.kind) == (0, "host") and "waits for a CPU" in suspect.evidence["rule"], suspect
     assert suspect.evidence["later_steps"][0] in range(14, 19), suspect.evidence
     assert cpu_wait_history_suspects(traces, per_rank, _waits({0: clean}), [], 40_000.0, 0.08) == []
-    # a rank already named host keeps its one name
-    named = Suspect(rank=0, dp=0, pp=0, tp=0, host="h", kind="host", slowdown=0.3, evidence={"impact_ms": 9.0})
-    assert cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [named], 40_000.0, 0.08) == []
+    # a rank already named host by another rule keeps one name: the one that costs more per step
+    named = Suspect(rank=0, dp=0, pp=0, tp=0, host="h", kind="host", slowdown=0.03, evidence={"impact_ms": 1.2})
+    found = cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [named], 40_000.0, 0.08)
+    (merged,) = merge_cpu_waits([named], found)
+    assert "waits for a CPU" in merged.evidence["rule"] and merged.evidence["host_gap"]["impact_ms"] == 1.2, merged
+    # ... and a rank named for its CPU waits against the others is not tested against itself as well
+    by_peers = Suspect(
+        rank=0, dp=0, pp=0, tp=0, host="h", kind="host", slowdown=0.3, evidence={"impact_ms": 9.0, "cpu_wait_ms": 9.0}
+    )
+    assert cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [by_peers], 40_000.0, 0.08) == []
 
 
 def test_one_rank_one_name_when_the_cpu_wait_explains_it() -> None:
@@ -124,8 +131,14 @@ def test_one_rank_one_name_when_the_cpu_wait_explains_it() -> None:
     merged = merge_cpu_waits([compute, other], [host])
     assert [(s.rank, s.kind) for s in merged] == [(1, "compute"), (2, "host")]
     assert merged[1].evidence["compute"]["impact_ms"] == 15.0
+    # a rank named host by another rule keeps one host suspect, the one that costs more per step
     gap = Suspect(
-        rank=2, dp=2, pp=0, tp=0, host="h", kind="host", slowdown=0.3, evidence={"impact_ms": 9.0, "late_ms": 9.0}
+        rank=2, dp=2, pp=0, tp=0, host="h", kind="host", slowdown=0.6, evidence={"impact_ms": 20.0, "late_ms": 20.0}
     )
     merged = merge_cpu_waits([gap], [host])
     assert merged == [gap] and gap.evidence["cpu_wait_ms"] == 12.5
+    small_gap = Suspect(
+        rank=2, dp=2, pp=0, tp=0, host="h", kind="host", slowdown=0.03, evidence={"impact_ms": 1.0, "late_ms": 1.0}
+    )
+    merged = merge_cpu_waits([small_gap], [host])
+    assert merged == [host] and host.evidence["host_gap"]["impact_ms"] == 1.0

@@ -22,9 +22,10 @@ A rank whose waits grew during the run is also compared with its own earlier ste
 (``cpu_wait_history_suspects``: the compute rule against itself, ``compute_rules.HISTORY_RULE``): one process has
 no other rank, and a machine whose every rank lost its CPUs at once has no healthy one.
 
-One rank, one name (``merge_cpu_waits``): a rank already named ``host`` keeps that name with the CPU wait as
-evidence, and a ``compute`` suspect whose excess the CPU wait explains (on CPUs, a compute span that lost time
-slices) becomes evidence of the ``host`` suspect.
+One rank, one name (``merge_cpu_waits``): a rank already named ``host`` keeps one ``host`` suspect, the one that
+costs more per step (the other's figures become its evidence: a host gap 1 ms longer than before is not what a
+training thread that waits 28 ms a step for a CPU lost), and a ``compute`` suspect whose excess the CPU wait
+explains (on CPUs, a compute span that lost time slices) becomes evidence of the ``host`` suspect.
 
 Ranks without the counter (not Linux, older traces) are left out; the comparison with the others needs two ranks
 with it, the one with its own earlier steps 16 analysed steps (8 on each side of a split).
@@ -106,10 +107,12 @@ def cpu_wait_history_suspects(
     min_slowdown: float,
 ) -> list[Suspect]:
     """``host`` suspects whose training thread waited longer for a CPU in its later steps than in its earlier ones,
-    by ``min_slowdown`` of the job's median step; ranks already named ``host`` in ``suspects`` are left out."""
+    by ``min_slowdown`` of the job's median step; ranks the comparison with the others (in ``suspects``) already
+    named for their CPU waits are left out. A rank named ``host`` by another rule is tested too:
+    ``merge_cpu_waits`` keeps one name, with the larger cost."""
     if not median_step_us:
         return []
-    named = {s.rank for s in suspects if s.kind == "host"}
+    named = {s.rank for s in suspects if s.kind == "host" and "cpu_wait_ms" in s.evidence}
     tested = [r for r in sorted(waits.samples) if r in traces]
     found = []
     for rank in tested:
@@ -139,8 +142,17 @@ def merge_cpu_waits(suspects: list[Suspect], found: list[Suspect]) -> list[Suspe
     for suspect in found:
         named_host = [s for s in merged if s.rank == suspect.rank and s.kind == "host"]
         if named_host:
-            named_host[0].evidence["cpu_wait_ms"] = round(_cpu_wait_ms(suspect.evidence), 3)
-            continue
+            other = named_host[0]
+            if suspect.impact_ms <= other.impact_ms:
+                other.evidence["cpu_wait_ms"] = round(_cpu_wait_ms(suspect.evidence), 3)
+                continue
+            # the CPU wait costs more than what the other rule found: it is the headline, the other its evidence
+            suspect.evidence["host_gap"] = {
+                "slowdown": other.slowdown,
+                "impact_ms": other.impact_ms,
+                "rule": other.evidence.get("rule", "host gaps against the peers'"),
+            }
+            merged.remove(other)
         for compute in [s for s in merged if s.rank == suspect.rank and s.kind == "compute"]:
             if compute.evidence.get("impact_ms", 0.0) <= _EXPLAINS * suspect.evidence["impact_ms"]:
                 rule = compute.evidence.get("rule", "per-op medians")

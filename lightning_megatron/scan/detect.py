@@ -215,7 +215,11 @@ def detect(
             found += cross_stage_wait_suspects(
                 traces, per_rank, waits, min_slowdown * median_step_us, min_slowdown, min_z
             )
-        found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, min_impact_us, kind)
+        # Against its own history a host gap must cost min_slowdown of a step, as inside steps: with no peer to
+        # compare with, a gap 0.3 ms longer than before (0.6% of a 48 ms step: one of 10 clean fits on an H100
+        # whose rank had one CPU) is drift, not a slow host.
+        history_bar_us = max(min_impact_us, min_slowdown * median_step_us) if kind == "host" else min_impact_us
+        found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, history_bar_us, kind)
         suspects += _as_share_of_step(found, median_step_us)
     suspects += _host_in_step_suspects(traces, per_rank, suspects, median_step_us, min_slowdown, min_z)
     waited = cpu_waits(traces)
