@@ -15,7 +15,8 @@ between 0 and 1:
   continuously / 0.3 s on, 0.3 s off (``scan.faults.CompetingProcess``; GPUs only);
 * ``gpu-memory-contention``: another process copying 512 MiB buffers on the rank's GPU, continuously
   (bandwidth-bound kernels instead of GEMMs; ``CompetingProcess(kind="gpu-memory")``; GPUs only);
-* ``cpu-contention``: spinning processes on the rank's CPUs (its affinity set);
+* ``cpu-contention``: spinning processes on the rank's CPUs (its affinity set; on GPUs ``--cpus-per-rank N`` first
+  gives each rank N CPUs of its own, as a container's CPU set would, else they share the host's);
 * ``cpu-contention-stress-ng``: the same CPUs loaded by ``stress-ng --cpu`` (a tool we did not write,
   ``outside_faults.StressNg``), where ``stress-ng`` is installed;
 * ``cpu-quota`` / ``cpu-quota-bursty``: the rank's process under a container's CPU limit, 0.5 / 0.8 CPUs per

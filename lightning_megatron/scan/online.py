@@ -1,8 +1,8 @@
 """Detection during the fit: MegaScan's rules over a sliding window of recent steps, every few traced windows.
 
-The contract: ``OnlineDetection(trace_dir, detect_steps, start_step, detect_options, on_detect)``; every rank calls
-``run(trainer, step)`` at the same step, after the window's rank files are flushed, and gets the same answer:
-whether training should stop. Rank 0 alone reads the files (only the last ``detect_steps`` steps, so memory stays
+The contract: ``OnlineDetection(detect_steps, start_step, detect_options, on_detect)``; every rank calls
+``run(trainer, trace_dir, step)`` at the same step, after the window's rank files are flushed, and gets the same
+answer: whether training should stop. Rank 0 alone reads the files (only the last ``detect_steps`` steps, so memory stays
 bounded however long the run), writes the report (``write_report``), prints the suspects that appeared and the
 ranks that recovered since the last detection, logs both to the Trainer's logger, and calls ``on_detect``.
 
