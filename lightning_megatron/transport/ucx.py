@@ -219,7 +219,10 @@ class UcxTransport(NativeTransport):
         """Destinations of pulls that failed or timed out: UCX may still write into them, so they live until close."""
         self._ahead: dict[tuple[int, int], deque[tuple[torch.Tensor, Any, int]]] = {}
         """Per ``(peer, tag)``, in FIFO order: messages taken from the mailbox early, so the pulls of deferred ones
-        run at once, side by side (tensor, its pull or None when it is complete already, length)."""
+        run at once, side by side (tensor, its pull or None when it is complete already, length). No key holds an
+        empty queue."""
+        self._ahead_count = 0  # pulls in _ahead (landed or not): the pull_ahead limit
+        self._ahead_bytes = 0  # ... their bytes: the PREFETCH_BYTES limit
         self.cuda_direct = False
         """Whether CUDA tensors on ``device`` are sent from GPU memory (else staged through the host)."""
         super().__init__(**kwargs)
@@ -395,31 +398,33 @@ class UcxTransport(NativeTransport):
     def _take_ahead(self, peer: int, tag: int) -> None:
         """Take what already waits behind a deferred message on ``(peer, tag)``, then deferred messages from
         ``peer`` on other tags, starting the pulls, while fewer than ``pull_ahead`` messages / PREFETCH_BYTES pulled
-        messages (landed or not) wait in ``_ahead`` on any key: the GPU memory taken before it is asked for."""
-        pulled = [length for queue in self._ahead.values() for _, op, length in queue if op is not None]
-        count, queued = len(pulled), sum(pulled)
-        ahead = self._ahead.setdefault((peer, tag), deque())
-        while count < self.pull_ahead and queued < self.PREFETCH_BYTES:
+        messages (landed or not) wait in ``_ahead`` on any key: the GPU memory taken before it is asked for.
+
+        The totals are kept as messages come and go (``_ahead_count``, ``_ahead_bytes``) and a key whose queue is
+        empty is removed: pipelines tag every message anew, and a scan of every key ever seen made each take
+        slower as a run went on (2 x H200: 16 MiB messages at 0.35x NCCL after a thousand tags, 1.0x without)."""
+        while self._ahead_count < self.pull_ahead and self._ahead_bytes < self.PREFETCH_BYTES:
             msg = self._engine.take(peer, tag)
             if msg is None:
                 break
             header, buf = msg
             if self._is_deferred(header):
-                out, op, length = self._start_pull(peer, tag, header)
-                ahead.append((out, op, length))
-                count, queued = count + 1, queued + length
-                self.pulled_ahead += 1
+                self._keep_ahead(peer, tag, self._start_pull(peer, tag, header))
             else:
-                ahead.append((self._decode(peer, tag, header, buf), None, 0))
-        while count < self.pull_ahead and queued < self.PREFETCH_BYTES:
+                self._ahead.setdefault((peer, tag), deque()).append((self._decode(peer, tag, header, buf), None, 0))
+        while self._ahead_count < self.pull_ahead and self._ahead_bytes < self.PREFETCH_BYTES:
             taken = self._engine.take_deferred(peer, 1)
             if not taken:
                 return
             other, header = taken[0]
-            out, op, length = self._start_pull(peer, other, header)
-            self._ahead.setdefault((peer, other), deque()).append((out, op, length))
-            count, queued = count + 1, queued + length
-            self.pulled_ahead += 1
+            self._keep_ahead(peer, other, self._start_pull(peer, other, header))
+
+    def _keep_ahead(self, peer: int, tag: int, pull: tuple[torch.Tensor, Any, int]) -> None:
+        """File a pull started before its message was asked for."""
+        self._ahead.setdefault((peer, tag), deque()).append(pull)
+        self._ahead_count += 1
+        self._ahead_bytes += pull[2]
+        self.pulled_ahead += 1
 
     def _next_ahead(self, peer: int, tag: int, timeout: Optional[float]) -> Optional[torch.Tensor]:
         """The oldest message taken ahead on ``(peer, tag)``: at once (``timeout=None``: only if its data is
@@ -431,8 +436,12 @@ class UcxTransport(NativeTransport):
         if op is not None and timeout is None and not op.done():
             return None
         ahead.popleft()
+        if not ahead:
+            del self._ahead[(peer, tag)]
         if op is None:
             return out
+        self._ahead_count -= 1
+        self._ahead_bytes -= length
         self._take_ahead(peer, tag)  # keep the pipeline full
         return self._finish_pull(peer, tag, out, op, length, self.timeout if timeout is None else timeout)
 
@@ -541,3 +550,4 @@ class UcxTransport(NativeTransport):
         super()._close()
         self._orphans = []  # the engine is closed: UCX writes nothing any more
         self._ahead = {}
+        self._ahead_count = self._ahead_bytes = 0
