@@ -181,6 +181,29 @@ def _pin_cpus(per_rank: int | None = None) -> None:
         torch.set_num_threads(share)
 
 
+def _faulted_rank(case: str, run: int, devices: int) -> int:
+    """The rank a run's fault hits: alternating between the two (the link's sender is rank 0)."""
+    return 0 if case == "link-delay" or devices == 1 else run % 2
+
+
+def _start_competitors(plan: list[tuple[str, int]], spec: dict[str, Any], competitors: dict) -> None:
+    """Every competing process this rank's runs will use, started side by side and paused until its fits (one
+    at a time, each paid 15-20 s of start-up on a GPU host: a quarter of a layout's first two rounds)."""
+    from lightning_megatron.scan.faults import CompetingProcess
+
+    me = int(os.environ["RANK"])
+    device = int(os.environ.get("LOCAL_RANK", "0")) if spec["accelerator"] == "gpu" else None
+    for case, i in plan:
+        rank = _faulted_rank(case, i, spec["devices"])
+        if case in COMPETITORS and rank == me and (case, rank) not in competitors:
+            competitors[(case, rank)] = CompetingProcess(
+                [rank], keep_alive=True, start_step=spec["onset_step"], **COMPETITORS[case]
+            )
+            competitors[(case, rank)].start(device)
+    for competitor in competitors.values():
+        competitor.wait_ready()
+
+
 def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
@@ -202,6 +225,7 @@ def _worker(spec: dict[str, Any]) -> None:
     # Round by round (each round's clean run first: the faults' sizes come from the clean runs so far), so a
     # deadline cuts every case alike and slow drift of the machine falls on every case alike.
     try:
+        _start_competitors(plan, spec, competitors)
         for case, i in plan:
             # Past the deadline no new fit starts (rank 0 decides for both, so neither waits on the other; the
             # process group exists from the first fit on).
@@ -214,7 +238,7 @@ def _worker(spec: dict[str, Any]) -> None:
                         f"{spec['layout_name']}: deadline reached, {len(records)} of {len(plan)} runs made", flush=True
                     )
                 break
-            rank = 0 if case == "link-delay" or spec["devices"] == 1 else i % 2
+            rank = _faulted_rank(case, i, spec["devices"])
             step_ms = statistics.median(clean_ms) if clean_ms else 100.0
             callbacks, wrap = _callbacks(
                 case,
@@ -374,8 +398,9 @@ def main() -> int:
     parser.add_argument(
         "--onset",
         type=float,
-        default=0.5,
-        help="single: the faults begin this fraction of the way through the traced steps",
+        default=None,
+        help="the faults begin this fraction of the way through the traced steps (single: default 0.5; other "
+        "layouts: from the first step unless given)",
     )
     parser.add_argument(
         "--cpus-per-rank",
@@ -447,10 +472,11 @@ def main() -> int:
         for k, name in enumerate(args.layouts):
             layout, devices = LAYOUTS[name], DEVICES.get(name, 2)
             dp = devices if not layout else 1
-            onset = TRACED_FROM + round((args.steps - TRACED_FROM) * args.onset) if devices == 1 else 0
-            if devices == 1 and min(onset - TRACED_FROM, args.steps - onset) < 8:
+            fraction = args.onset if args.onset is not None else (0.5 if devices == 1 else None)
+            onset = 0 if fraction is None else TRACED_FROM + round((args.steps - TRACED_FROM) * fraction)
+            if fraction is not None and min(onset - TRACED_FROM, args.steps - onset) < 8:
                 parser.error(
-                    f"--layouts single: --steps {args.steps} with --onset {args.onset} leaves under 8 traced steps "
+                    f"--layouts {name}: --steps {args.steps} with --onset {fraction} leaves under 8 traced steps "
                     "before or after the onset; use more steps or an onset nearer 0.5"
                 )
             earlier = result["layouts"].get(name, {}).get("runs", [])

@@ -166,3 +166,30 @@ def test_kept_alive_competitors_pause_between_fits_and_close() -> None:
     finally:
         fault.close()
     assert [c.pid for c in _children() if c.pid not in before] == []
+
+
+def test_competitors_started_side_by_side_wait_paused_for_their_fit() -> None:
+    """``start`` spawns without waiting (an evaluation starts all its competitors at once) and ``wait_ready``
+    leaves them ready but idle: they compete only once a fit they belong to starts, in that same process."""
+    before = {c.pid for c in _children()}
+    faults = [CompetingProcess([0], kind="cpu", processes=1, keep_alive=True) for _ in range(2)]
+    try:
+        children = []
+        for fault in faults:
+            fault.start(None)
+            children += [c for c in _children() if c.pid not in before and c not in children]  # its own child
+        for fault in faults:
+            fault.wait_ready()
+        assert len(children) == 2
+        time.sleep(0.2)
+        assert all(_busy_seconds(child) < 0.05 for child in children)  # ready and paused
+        faults[0].on_fit_start(CPU_TRAINER, None)
+        assert [c.pid for c in _children() if c.pid not in before] == [c.pid for c in children]  # no new process
+        busy = {child.pid: _busy_seconds(child) for child in children}
+        assert busy[children[0].pid] > 0.1 and busy[children[1].pid] < 0.05, busy
+        with pytest.raises(MegatronConfigError, match="needs CUDA"):
+            CompetingProcess([0], kind="gpu").start(None)
+    finally:
+        for fault in faults:
+            fault.close()
+    assert [c.pid for c in _children() if c.pid not in before] == []

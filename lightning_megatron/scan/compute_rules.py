@@ -8,9 +8,11 @@ suspects out; statistics come from ``scan.compare``. Four rules, each for what t
 * **per step** (``step_suspects``): per-step sums, each rank against each peer with Wilcoxon's signed-rank
   test over steps; finds partial and bursty slowdowns that per-op medians do not move;
 * **across stages**: ranks alone in their stage, on transformer layer parts (``scan.stage_rules``);
-* **against itself** (``own_history_suspects``): a rank's later steps against its own earlier ones (the
-  analysed steps split at a third, half or two thirds), for what no peer can show: a lone stage without layer spans, or every
-  rank at once. It names a change within the analysed steps, not a rank that was slow from the start.
+* **against itself** (``own_history_suspects``): a rank's later steps against its own earlier ones (every split
+  of the analysed steps), for what the peers' rules cannot show: one process, a lone stage without layer spans,
+  a slowdown in too few steps to win most of them. Beside other ranks it is relative to theirs (a change all of
+  them share is the job's: a note, no suspect). It names a change within the analysed steps, not a rank that was
+  slow from the start.
 
 Whether a suspect of these rules is a slow GPU, a late host or nothing is decided afterwards, on GPU busy time
 and queue fields (``scan.attribution``).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Optional
 
 from lightning_megatron.scan.compare import (
@@ -257,28 +260,99 @@ def own_history_suspects(
     suspects: list[Suspect],
     min_slowdown: float,
     min_impact_us: float,
+    notes: list[str],
 ) -> list[Suspect]:
     """Ranks whose later steps are slower than their own earlier ones (module docstring); returns new suspects.
 
     The analysed steps of identical work (equal span counts) are split into earlier and later steps, each side
     at least ``MIN_STEPS`` (``compare.later_steps_change``); a rank is named when its later steps are slower by
     ``min_slowdown`` (10 %-trimmed means) and ``min_impact`` per step at p below ``_HISTORY_ALPHA`` shared among
-    the ranks (``history_evidence``). Ranks already named are left out."""
-    named = {s.rank for s in suspects}
-    found = []
+    the ranks (``history_evidence``). Ranks already named are left out.
+
+    With other ranks beside it, the change must also stand relative to theirs (the rank's compute step by step
+    over the median of the others', the same test, sized by the smaller of the two): a change they all share is
+    the job's, not the rank's, and a rank whose peers sped up did not turn slow. On the 2-vCPU CI machine each
+    rank's compute moved by -9% to +8% between the halves of a 34-step DP2 fit, the two ranks together
+    (correlation 0.53 over 60 fits); the rule named a rank in 2 of those fits tested alone, in 1 relative to the
+    peer (``benchmarks/results/megascan_eval_cpu_dp2_history_relative.json``). GPUs share clock and cooling
+    changes the same way. A change every rank shares is reported in ``notes`` instead."""
+    series = {}
     for rank, per_step in sorted(totals.items()):
+        steps = [s for s, t in per_step.items() if t.spans and t.compute_us > 0]
+        if len({per_step[s].spans for s in steps}) == 1:
+            series[rank] = {s: per_step[s].compute_us for s in steps}
+    common = sorted(set.intersection(*(set(v) for v in series.values()))) if len(series) >= 2 else []
+    relative = len(common) >= 2 * MIN_STEPS
+    named = {s.rank for s in suspects}
+    alpha = history_alpha(len(totals))
+    found = []
+    for rank, compute in series.items():
         if rank in named:
             continue
-        steps = [s for s, t in per_step.items() if t.spans and t.compute_us > 0]
-        if len({per_step[s].spans for s in steps}) != 1:
-            continue
-        compute = {s: per_step[s].compute_us for s in steps}
-        change = later_steps_change(compute, MIN_STEPS, history_alpha(len(totals)))
+        change = later_steps_change(compute, MIN_STEPS, alpha)
         evidence = history_evidence(change, min_slowdown, min_impact_us, len(totals))
-        if evidence is not None:
-            evidence["step_ms"] = per_rank[rank].step_ms
-            found.append(make_suspect(traces[rank], "compute", change.excess, evidence))
+        if relative and evidence is not None:
+            others = [q for q in series if q != rank]
+            ratio = {s: compute[s] / statistics.median(series[q][s] for q in others) for s in common}
+            change = _in_own_time(later_steps_change(ratio, MIN_STEPS, alpha), compute)
+            evidence = history_evidence(change, min_slowdown, min_impact_us, len(totals))
+        if change is None or evidence is None:
+            continue
+        evidence["step_ms"] = per_rank[rank].step_ms
+        if relative:
+            evidence.update(_relative_evidence(change, compute, [series[q] for q in others]))
+        found.append(make_suspect(traces[rank], "compute", change.excess, evidence))
+    if relative:
+        _note_a_shared_change(series, common, min_slowdown, notes)
     return found
+
+
+def _split_means(change: HistoryChange, per_step: dict[int, float]) -> tuple[float, float]:
+    """Trimmed means of ``per_step`` over the earlier and the later steps of ``change``."""
+    first, last = change.earlier_steps[0], change.later_steps[1]
+    earlier = [v for s, v in per_step.items() if first <= s <= change.earlier_steps[1]]
+    later = [v for s, v in per_step.items() if change.later_steps[0] <= s <= last]
+    return trimmed_mean(earlier), trimmed_mean(later)
+
+
+def _in_own_time(change: Optional[HistoryChange], compute: dict[int, float]) -> Optional[HistoryChange]:
+    """A change found in a rank's compute relative to the others', sized in the rank's own time: its earlier
+    steps' compute, grown by the smaller of the relative excess (the part of its change the others do not share)
+    and its own measured change (a rank whose peers sped up while it stayed as it was did not turn slow)."""
+    if change is None:
+        return None
+    before, after = _split_means(change, compute)
+    excess = min(change.excess, after / before - 1.0) if before > 0 else change.excess
+    return replace(change, before=before, after=before * (1.0 + excess), excess=excess)
+
+
+def _relative_evidence(
+    change: HistoryChange, compute: dict[int, float], others: list[dict[int, float]]
+) -> dict[str, Any]:
+    """What the rank's own compute and the others' did over the split: the measured sides of both."""
+    before, after = _split_means(change, compute)
+    theirs = [_split_means(change, other) for other in others]
+    return {
+        "rule": f"{HISTORY_RULE}, relative to the other ranks'",
+        "earlier_ms": before / 1000,
+        "later_ms": after / 1000,
+        "others_change": round(statistics.median(b / a - 1.0 for a, b in theirs if a > 0), 4),
+    }
+
+
+def _note_a_shared_change(
+    series: dict[int, dict[int, float]], common: list[int], min_slowdown: float, notes: list[str]
+) -> None:
+    """A note where every rank's compute grew together (the job's median, each rank on its own scale)."""
+    scale = {r: statistics.median(v[s] for s in common) for r, v in series.items()}
+    job = {s: statistics.median(series[r][s] / scale[r] for r in series) for s in common}
+    change = later_steps_change(job, MIN_STEPS, _HISTORY_ALPHA)
+    if change is not None and change.excess >= min_slowdown and change.p < _HISTORY_ALPHA:
+        notes.append(
+            f"every rank's compute {change.excess:+.0%} from step {change.later_steps[0]} on (p={change.p:.2g}): "
+            "the job slowed as a whole, no rank apart from the others (a shared cause: the machine's clocks or "
+            "cooling, another tenant)"
+        )
 
 
 HISTORY_RULE = "later steps against the rank's own earlier steps"

@@ -204,7 +204,7 @@ def detect(
     suspects += cross_stage_step_suspects(
         traces, per_rank, parts_per_step, layer_samples, suspects, min_slowdown, min_impact_us
     )
-    suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
+    suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us, notes)
     suspects = attribute_busy(suspects, traces, busy_times(traces), min_slowdown, notes)
     suspects = attribute_host(suspects, host_pacing(traces), traces, min_slowdown, notes)
     # transfers are matched here, not with the other measurements above, so that the warnings keep their order

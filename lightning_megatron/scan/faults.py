@@ -159,6 +159,7 @@ class CompetingProcess(pl.Callback):
         self.start_step = start_step
         self.processes, self.size, self.keep_alive = processes, size, keep_alive
         self._children: list[Any] = []
+        self._readies: list[Any] = []  # started, not yet known ready (start, wait_ready)
         self._stop: Any = None
         self._active: Any = None
 
@@ -166,35 +167,46 @@ class CompetingProcess(pl.Callback):
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank not in self.ranks:
             return
-        if self._children:  # kept alive from an earlier fit
-            self._compete_from(trainer.global_step)
+        if not self._children:
+            device = trainer.strategy.root_device
+            self.start(device.index if device.type == "cuda" else None)
+        self.wait_ready()
+        self._compete_from(trainer.global_step)
+
+    def start(self, device_index: Optional[int]) -> None:
+        """Spawn the competing processes (on CUDA device ``device_index`` for the GPU kinds) without waiting for
+        them: an evaluation starts all its competitors side by side, then waits for each (:meth:`wait_ready`),
+        instead of paying seconds of start-up per competitor in turn. A fit starts them itself if not started."""
+        if self._children:
             return
         ctx = mp.get_context("spawn")
         self._stop, self._active = ctx.Event(), ctx.Event()
-        self._active.set()  # each child signals ready after its first piece of work; start_step pauses them below
+        self._active.set()  # each child signals ready after its first piece of work
         if self.kind.startswith("gpu"):
-            device = trainer.strategy.root_device
-            if device.type != "cuda":
+            if device_index is None:
                 raise MegatronConfigError(f"CompetingProcess(kind={self.kind!r}) needs CUDA; on CPUs use kind='cpu'.")
             burn = _burn_gpu if self.kind == "gpu" else _burn_gpu_memory
-            target, args = burn, (device.index, self.on_s, self.off_s, self._stop, self._active)
+            target, args = burn, (device_index, self.on_s, self.off_s, self._stop, self._active)
             count = self.processes or 1
         else:
             cpus = sorted(os.sched_getaffinity(0))
             count = self.processes or min(len(cpus), 4)
             target, args = _burn_cpu, (cpus, self.on_s, self.off_s, self._stop, self._active)
-        readies = []
         for _ in range(count):
             ready = ctx.Event()
             extra = (self.size,) if self.kind.startswith("gpu") else ()
             child = ctx.Process(target=target, args=(*args, ready, *extra), daemon=True)
             child.start()
             self._children.append(child)
-            readies.append(ready)
-        # A spawned child imports torch (and, on a GPU, makes a CUDA context) for seconds before it competes for
-        # anything: without this wait a short fit would run, and be measured, before the fault is there.
+            self._readies.append(ready)
+
+    def wait_ready(self) -> None:
+        """Wait until every started process has done its first piece of work, then pause them (a fit makes them
+        compete from ``start_step``). A spawned child imports torch (and, on a GPU, makes a CUDA context) for
+        seconds before it competes for anything: without this wait a short fit would run, and be measured, before
+        the fault is there."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for ready, child in zip(readies, self._children):
+        for ready, child in zip(self._readies, self._children):
             while not ready.wait(0.1):
                 if not child.is_alive() or time.monotonic() > deadline:
                     self.close()
@@ -202,7 +214,9 @@ class CompetingProcess(pl.Callback):
                         f"CompetingProcess(kind={self.kind!r}): a competing process did not start within "
                         f"{READY_TIMEOUT_S:.0f} s (exit code {child.exitcode})."
                     )
-        self._compete_from(trainer.global_step)
+        if self._readies:
+            self._readies = []
+            self._active.clear()
 
     def _compete_from(self, step: int) -> None:
         """Compete at ``step`` if it is ``start_step`` or later, else pause until then."""
@@ -236,7 +250,7 @@ class CompetingProcess(pl.Callback):
             if child.is_alive():
                 child.kill()
                 child.join(timeout=5)
-        self._children, self._stop, self._active = [], None, None
+        self._children, self._readies, self._stop, self._active = [], [], None, None
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_of_fit()
