@@ -14,6 +14,7 @@ import io
 import json
 import math
 import random
+import re
 import statistics
 import warnings
 from pathlib import Path
@@ -585,6 +586,8 @@ def test_a_rank_that_slows_down_during_the_run_against_itself(tmp_path: Path, ca
         )
         assert abs(suspect.slowdown - 0.3) < 0.08
         assert abs(suspect.evidence["others_change"]) < 0.05, suspect.evidence
+    # one stage of two slowed: not the job as a whole (a median of two ranks, their mean, said so before)
+    assert not any(w.startswith("every rank's compute") for w in report.warnings), report.warnings
 
 
 @pytest.mark.parametrize("factors", [{0: 1.3, 1: 1.3}, {0: 1.3, 1: 1.3, 2: 1.3, 3: 1.3}], ids=["pp2", "dp2-pp2"])
@@ -595,7 +598,7 @@ def test_a_change_every_rank_shares_is_the_jobs(tmp_path: Path, factors: dict[in
     report, _ = run(tmp_path, steps=20, dp=len(factors) // 2, pp=2, tp=1, slow_ranks=factors, slow_from_step=10)
     assert report.suspects == [], report.table()
     shared = [w for w in report.warnings if w.startswith("every rank's compute")]
-    assert len(shared) == 1 and "+30%" in shared[0], report.warnings
+    assert len(shared) == 1 and re.search(r"compute \+(2[89]|3[01])% or more", shared[0]), report.warnings
 
 
 def test_a_rank_whose_peer_sped_up_did_not_turn_slow(tmp_path: Path) -> None:

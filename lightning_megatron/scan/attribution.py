@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_megatron.scan.compare import lower_half_median, trimmed_mean
-from lightning_megatron.scan.compute_rules import HISTORY_RULE, peer_groups
+from lightning_megatron.scan.compute_rules import HISTORY_RULE, RELATIVE_HISTORY_RULE, peer_groups
 from lightning_megatron.scan.gpu_measure import BusyTimes
 from lightning_megatron.scan.measure import RankTrace
 from lightning_megatron.scan.report import Suspect
@@ -215,7 +215,7 @@ def _busy_comparison(
     if own is None:
         return None
     rule = suspect.evidence.get("rule", "")
-    if rule == HISTORY_RULE:
+    if rule in (HISTORY_RULE, RELATIVE_HISTORY_RULE):  # its busy time against its own earlier steps
         (a, b), (c, d) = suspect.evidence["earlier_steps"], suspect.evidence["later_steps"]
 
         def halves(per_step: dict[int, float]) -> tuple[list[float], list[float]]:
