@@ -48,12 +48,12 @@ chooses; ``transports_to`` lists the lanes), never through a copy of ours:
   so a stream of large messages is received side by side, not one pull at a time. While a pull is in flight the
   progress thread polls UCX without sleeping (the copy's completion wakes no file descriptor).
 
-Tested so far: ``tests/test_transport_ucx_gpu.py`` passed once on 2 H200s (NVLink) with the ``libucx-cu13``
-1.22.0 wheel, torch 2.11+cu130, Python 3.12: UCX chose ``["posix/memory", "cuda_ipc/cuda"]``, a 64 MiB tensor
-made the round trip at ~122 GB/s, and with the event wait removed its still-being-computed case got stale data
-(so the case does catch it). The streaming benchmark (``benchmarks/transport.py --gpu --quick``) gave ucx 78
-GB/s at 16 MiB against shm's 175 GB/s, when each deferred message was received when taken, one at a time
-(taking ahead came after that run and is measured on CPUs only). The mechanics of the deferred receive are also checked on CPUs with host memory standing in for GPU memory
+Tested so far: ``tests/test_transport_ucx_gpu.py`` passed on 2 H200s (NVLink) with the ``libucx-cu13``
+1.22.0 wheel, torch 2.11+cu130, Python 3.12 (last on 2026-11-27): UCX chose ``["posix/memory",
+"cuda_ipc/cuda"]`` (a rendezvous zero-copy read over CUDA IPC), and with the event wait removed its
+still-being-computed case got stale data (so the case does catch it). The streaming benchmark
+(``benchmarks/transport.py --gpu``) gives ucx 0.90-0.92x NCCL at 16 MiB and 0.84-1.02x from 64 to 256 MiB
+(``benchmarks/results/transport_gpu_ucx_ahead_fix_2xh200.json``). The mechanics of the deferred receive are also checked on CPUs with host memory standing in for GPU memory
 (``tests/test_transport_ucx.py::test_device_path_with_host_memory``). Not tested: other UCX versions, GPUs
 without peer access or on other hosts (UCX would stage through the host or use its network transports),
 torch's ``expandable_segments`` allocator, a peer dying mid-pull.
@@ -402,7 +402,8 @@ class UcxTransport(NativeTransport):
 
         The totals are kept as messages come and go (``_ahead_count``, ``_ahead_bytes``) and a key whose queue is
         empty is removed: pipelines tag every message anew, and a scan of every key ever seen made each take
-        slower as a run went on (2 x H200: 16 MiB messages at 0.35x NCCL after a thousand tags, 1.0x without)."""
+        slower as a run went on (2 x H200, the transport benchmark's sweep: 16 MiB messages at 0.34-0.38x NCCL
+        with the scan, 0.90-0.92x without)."""
         while self._ahead_count < self.pull_ahead and self._ahead_bytes < self.PREFETCH_BYTES:
             msg = self._engine.take(peer, tag)
             if msg is None:
