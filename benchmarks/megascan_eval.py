@@ -136,15 +136,12 @@ def _callbacks(
     each run's fit starts with its fault already competing and pays no process start-up. ``onset_step``: the
     fault begins at this step (0: from the start)."""
     from lightning_megatron.scan import LinkDelayInjector, MegaScan
-    from lightning_megatron.scan.faults import CompetingProcess, HostStall, SlowDataset
+    from lightning_megatron.scan.faults import HostStall, SlowDataset
 
     callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=TRACED_FROM, granularity=granularity)]
     wrap = None
     if case in COMPETITORS:
-        key = (case, rank)
-        if key not in competitors:
-            competitors[key] = CompetingProcess([rank], keep_alive=True, start_step=onset_step, **COMPETITORS[case])
-        callbacks.append(competitors[key])
+        callbacks.append(_competitor(case, rank, onset_step, competitors))
     elif case.startswith("slow-loader"):
         share = 0.02 if case.endswith("mild") else 0.25
         samples = MICROBATCHES * micro_batch  # in a rank's batch
@@ -186,20 +183,27 @@ def _faulted_rank(case: str, run: int, devices: int) -> int:
     return 0 if case == "link-delay" or devices == 1 else run % 2
 
 
+def _competitor(case: str, rank: int, onset_step: int, competitors: dict) -> Any:
+    """The case's competing processes for ``rank``: one ``CompetingProcess`` per case and rank, kept alive between
+    its fits (made here on first use)."""
+    from lightning_megatron.scan.faults import CompetingProcess
+
+    if (case, rank) not in competitors:
+        competitors[(case, rank)] = CompetingProcess(
+            [rank], keep_alive=True, start_step=onset_step, **COMPETITORS[case]
+        )
+    return competitors[(case, rank)]
+
+
 def _start_competitors(plan: list[tuple[str, int]], spec: dict[str, Any], competitors: dict) -> None:
     """Every competing process this rank's runs will use, started side by side and paused until its fits (one
     at a time, each paid 15-20 s of start-up on a GPU host: a quarter of a layout's first two rounds)."""
-    from lightning_megatron.scan.faults import CompetingProcess
-
     me = int(os.environ["RANK"])
     device = int(os.environ.get("LOCAL_RANK", "0")) if spec["accelerator"] == "gpu" else None
     for case, i in plan:
         rank = _faulted_rank(case, i, spec["devices"])
-        if case in COMPETITORS and rank == me and (case, rank) not in competitors:
-            competitors[(case, rank)] = CompetingProcess(
-                [rank], keep_alive=True, start_step=spec["onset_step"], **COMPETITORS[case]
-            )
-            competitors[(case, rank)].start(device)
+        if case in COMPETITORS and rank == me:
+            _competitor(case, rank, spec["onset_step"], competitors).start(device)  # no-op once started
     for competitor in competitors.values():
         competitor.wait_ready()
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
+from transport import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -139,16 +139,10 @@ def _worker(rank: int, port: int, case: str, size: int, messages: int, out: Any)
         out.put((rank, False, traceback.format_exc()[-3000:]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(case: str, size: int, messages: int, timeout: float = 180.0) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # CUDA does not survive fork
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, case, size, messages, queue)) for r in range(2)]
     for p in procs:
         p.start()
