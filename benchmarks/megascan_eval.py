@@ -40,12 +40,15 @@ with, so its faults begin during the run, ``--onset`` of the way through the tra
 during a run, which only the rank's own earlier steps can show. Use at least 34 steps (16 analysed steps on
 each side of a halfway onset).
 
-Scoring (``score``): a fault *slows the job* when its median step time (from one step's end to the next, the
-fetch included) is ≥ 10% above the clean runs'. For those, recall is the fraction of runs naming the faulted rank
-(for the link: its sender) with an expected kind. A fault below that bar may be named rightly (it does cost
+Scoring (``score``): a fault *slows the job* when its runs' step times (from one step's end to the next, the
+fetch included) are in the median ≥ 10% above the clean runs' of the same launch (``--append`` joins launches
+on different machines, whose clean steps differed by up to 20%). For those, recall is the fraction of runs
+naming the faulted rank (for the link: its sender) with an expected kind. A fault below that bar may be named rightly (it does cost
 time: the mild loader about 2% of a step) and is counted apart (``runs_naming_it_rightly``); any other suspect
 of a faulted run is a wrong one (``runs_with_a_wrong_suspect``). Precision: right suspects over all suspects of
-the case's runs. Clean runs must name nothing. Every run's suspects are kept, so what was named is visible.
+the case's runs. Clean runs must name nothing. Every run's suspects are kept, so what was named is visible, and
+so is what each rank's host did (``hosts``: ``host_usage.HostUsage``, a fixed CPU probe after every step and the
+main thread's CPU time), a check independent of MegaScan on a ``host`` suspect where nothing was injected.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from host_usage import HostUsage  # noqa: E402
 from megascan_overhead import CPU_MODEL, GPU_MODELS, MICRO_BATCH, fit_once  # noqa: E402  (benchmarks/ is on the path)
 from outside_faults import CpuQuota, StressNg, cpu_quota_available, stress_ng_available  # noqa: E402
 from provenance import provenance  # noqa: E402
@@ -254,8 +258,11 @@ def _worker(spec: dict[str, Any]) -> None:
                 competitors,
                 spec["onset_step"],
             )
+            host = HostUsage()
             started = time.perf_counter()
-            times = fit_once(spec, callbacks, steps, wrap_dataset=wrap, wall=True)  # fetches included
+            times = fit_once(spec, [*callbacks, host], steps, wrap_dataset=wrap, wall=True)  # fetches included
+            hosts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, host.summary(TRACED_FROM))  # what each rank's host did (clean runs)
             median_ms = 1000 * statistics.median(times[max(1, spec["onset_step"]) :])  # the faulted steps
             if case == "clean":
                 clean_ms.append(median_ms)
@@ -264,16 +271,19 @@ def _worker(spec: dict[str, Any]) -> None:
                 {
                     "case": case,
                     "run": i,
+                    "launch": first,  # the launch's first run: its clean runs are this run's baseline
                     "faulted_rank": None if case == "clean" else rank,
                     "step_ms": round(median_ms, 3),
                     "seconds": round(time.perf_counter() - started, 1),
                     "suspects": [_suspect_record(s) for s in (report.suspects if report is not None else [])],
+                    "hosts": hosts,
                 }
             )
             if dist.get_rank() == 0:
                 print(
                     f"{spec['layout_name']} {case} run {i}: step {median_ms:.1f} ms, named "
-                    f"{[(s['rank'], s['kind']) for s in records[-1]['suspects']]}",
+                    f"{[(s['rank'], s['kind']) for s in records[-1]['suspects']]}; host probes (ms) "
+                    f"{[h['probe_ms'] for h in hosts]}",
                     flush=True,
                 )
                 Path(spec["result"]).write_text(json.dumps(records))  # after every run: a cut-off launch keeps them
@@ -284,18 +294,31 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 def score(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per case: runs, the job's slowdown, recall (or quiet), precision; see the module docstring."""
-    clean = [r["step_ms"] for r in records if r["case"] == "clean"]
-    base = statistics.median(clean) if clean else None
+    """Per case: runs, the job's slowdown, recall (or quiet), precision; see the module docstring. A run's
+    slowdown is against the clean runs of its own launch (``launch``: one machine; 2 x H200 machines of one
+    session differed by up to 20% in clean step time), the case's the median of its runs'."""
+    clean_by_launch: dict[Any, list[float]] = {}
+    for r in records:
+        if r["case"] == "clean":
+            clean_by_launch.setdefault(r.get("launch"), []).append(r["step_ms"])
+    pooled = [ms for times in clean_by_launch.values() for ms in times]
+
+    def ratio(run: dict[str, Any]) -> float:
+        base = statistics.median(clean_by_launch.get(run.get("launch")) or pooled)
+        return run["step_ms"] / base
+
     table: dict[str, Any] = {}
     for case in dict.fromkeys(r["case"] for r in records):
         group = [r for r in records if r["case"] == case]
-        slowdown = statistics.median(r["step_ms"] for r in group) / base - 1.0 if base else None
+        slowdown = statistics.median(ratio(r) for r in group) - 1.0 if pooled else None
         named = [s for r in group for s in r["suspects"]]
         entry: dict[str, Any] = {"runs": len(group), "job_slowdown": None if slowdown is None else round(slowdown, 4)}
         if case == "clean":
             entry["must_name_nothing"] = True
             entry["runs_with_a_suspect"] = sum(bool(r["suspects"]) for r in group)
+            ratios = [_probe_ratio(r, s["rank"]) for r in group for s in r["suspects"]]
+            if any(ratio is not None for ratio in ratios):  # runs with HostUsage's probe (from 2026-11-27 14:40)
+                entry["suspect_probe_ratios"] = ratios
         else:
             right = [
                 sum(1 for s in r["suspects"] if s["rank"] == r["faulted_rank"] and s["kind"] in EXPECTED[case])
@@ -318,6 +341,16 @@ def score(records: list[dict[str, Any]]) -> dict[str, Any]:
         entry["named_kinds"] = kinds
         table[case] = entry
     return table
+
+
+def _probe_ratio(run: dict[str, Any], rank: int) -> float | None:
+    """How much slower ``rank``'s host ran the fixed probe than its peers' did in ``run`` (1.2: 20% slower); an
+    independent check of a ``host`` suspect where nothing was injected (``host_usage.HostUsage``)."""
+    probes = [h.get("probe_ms") if h else None for h in run.get("hosts", [])]
+    if rank >= len(probes) or probes[rank] is None:
+        return None
+    others = [p for k, p in enumerate(probes) if k != rank and p is not None]
+    return round(probes[rank] / statistics.median(others), 3) if others else None
 
 
 def rescore(result: dict[str, Any], traces: Path) -> dict[str, Any]:
@@ -419,8 +452,9 @@ def main() -> int:
     parser.add_argument(
         "--cases",
         nargs="*",
-        choices=list(EXPECTED),
-        help="run only these fault cases (clean always runs: it sizes the faults); default all",
+        choices=["clean", *EXPECTED],
+        help="run only these fault cases (clean always runs: it sizes the faults; `--cases clean`: clean runs "
+        "alone); default all",
     )
     parser.add_argument(
         "--append",

@@ -573,6 +573,30 @@ def test_one_slow_layer_part_is_found_across_stages_per_step(tmp_path: Path, par
         generate_traces(tmp_path / "bad", dp=1, pp=2, tp=1, slow_ranks={1: 1.5}, slow_part="mlp")
 
 
+@pytest.mark.parametrize("case", ["last-stage", "first-stage", "clean", "below-the-stage-margin"])
+def test_a_slow_stage_beside_a_host_paced_one_is_found(tmp_path: Path, case: str) -> None:
+    """PP2 on 2x H200: another process copying memory on the last stage's GPU made its typical layer 2-3x the
+    first stage's, and nothing was named: the first stage is launch-bound, its GPU paced almost none of its layer
+    spans, and both stages' GPU-paced parts met in 2-3 steps of 12. The spared stage's spans, all of them, are an
+    upper bound of its GPU's time: enough for a baseline, and never a cause of a suspect."""
+    slow, paced = {
+        "last-stage": ({1: 2.0}, {0: 1.0}),
+        "first-stage": ({0: 1.5}, {1: 1.0}),
+        "clean": ({}, {0: 1.0}),
+        "below-the-stage-margin": ({1: 1.1}, {0: 1.0}),  # 10%: under twice min_slowdown, as between stages
+    }[case]
+    report, _ = run(
+        tmp_path, steps=12, dp=1, pp=2, tp=1, layers_per_stage=2, gpu_queue=True, slow_ranks=slow, host_paced=paced
+    )
+    if case in ("clean", "below-the-stage-margin"):
+        assert report.suspects == [], report.table()
+        return
+    (rank,) = slow
+    suspect = only(report, rank, "compute")
+    assert suspect.evidence["rule"].startswith("typical layer per step across pipeline stages"), suspect.evidence
+    assert abs(suspect.slowdown - (slow[rank] - 1.0)) < 0.1
+
+
 @pytest.mark.parametrize("case", ["lone-stage", "clean"])
 def test_a_rank_that_slows_down_during_the_run_against_itself(tmp_path: Path, case: str) -> None:
     """No peer can show this: PP2 without layer spans (each stage alone). The rank's later steps against its own

@@ -202,7 +202,14 @@ def detect(
     parts_per_step = layer_parts_per_step(traces)
     suspects += cross_stage_suspects(traces, per_rank, parts_per_step, min_slowdown, min_z, min_impact_us)
     suspects += cross_stage_step_suspects(
-        traces, per_rank, parts_per_step, layer_samples, suspects, min_slowdown, min_impact_us
+        traces,
+        per_rank,
+        parts_per_step,
+        layer_parts_per_step(traces, host_paced_too=True),
+        layer_samples,
+        suspects,
+        min_slowdown,
+        min_impact_us,
     )
     suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us, notes)
     suspects = attribute_busy(suspects, traces, busy_times(traces), min_slowdown, notes)

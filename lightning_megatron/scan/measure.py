@@ -294,16 +294,22 @@ def layer_part(span: dict[str, Any]) -> str:
     return f"{args.get('direction', '?')} {args.get('part', span['name'])}"
 
 
-def layer_parts_per_step(traces: dict[int, RankTrace]) -> dict[int, dict[int, dict[str, list[float]]]]:
+def layer_parts_per_step(
+    traces: dict[int, RankTrace], host_paced_too: bool = False
+) -> dict[int, dict[int, dict[str, list[float]]]]:
     """Per rank with layer spans, per step, per layer part (``backward mlp``: merged over the rank's layers):
     the net times (µs) of the spans its GPU, not its host, paced (``host_paced``). A host-paced span lasts as
-    long as its host took to queue it, which on a launch-bound forward is most of it: it measures the host."""
+    long as its host took to queue it, which on a launch-bound forward is most of it: it measures the host.
+    ``host_paced_too``: every span; each is then an upper bound of its GPU's time (the GPU's work plus its
+    waits for the host), which a baseline may use where its GPU paced too few spans."""
     found: dict[int, dict[int, dict[str, list[float]]]] = {}
     for rank, trace in traces.items():
         per_step: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for s, net in net_compute_spans(trace):
             args = s.get("args") or {}
-            if s["cat"] != "compute.layer" or "step" not in args or host_paced(args, s["dur"]):
+            if s["cat"] != "compute.layer" or "step" not in args:
+                continue
+            if not host_paced_too and host_paced(args, s["dur"]):
                 continue
             per_step[int(args["step"])][layer_part(s)].append(net)
         if per_step:

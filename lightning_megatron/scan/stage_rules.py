@@ -21,9 +21,12 @@ host waits in (``scan.waits``), host suspects out, by a third:
   a stage whose host blocks (a synchronous upload, a long garbage collection) is compared with the other lone
   stages, and named ``host`` where it costs ``min_slowdown`` of the job's median step.
 
-The two compute rules use only the spans the GPU paced (``measure.host_paced``): a launch-bound forward lasts as
-long as its host takes to queue it, and host noise (a slow loader's process, CPU contention) would pass for a slow
-stage. Their suspects therefore stay ``compute`` (``gpu_paced_only``: ``attribute_host`` leaves them).
+The two compute rules measure a suspect on the spans its GPU paced only (``measure.host_paced``): a launch-bound
+forward lasts as long as its host takes to queue it, and host noise (a slow loader's process, CPU contention)
+would pass for a slow stage. Their suspects therefore stay ``compute`` (``gpu_paced_only``: ``attribute_host``
+leaves them). The per-step rule's baseline may also use the other stages' host-paced spans: each is an upper
+bound of its GPU's time, so they can hide a slowdown but never make one, and the stage a fault spares is often
+the launch-bound one whose GPU paced few spans.
 
 Ranks are compared only with other lone stages; stages carry different extra work (the embedding, the output
 layer and loss), which is why whole-stage compute is not compared, and why another stage is a weaker baseline
@@ -128,29 +131,31 @@ def cross_stage_step_suspects(
     traces: dict[int, RankTrace],
     per_rank: dict[int, RankSummary],
     parts_per_step: dict[int, dict[int, dict[str, list[float]]]],
+    every_part_per_step: dict[int, dict[int, dict[str, list[float]]]],
     layers: dict[int, dict[str, list[float]]],
     suspects: list[Suspect],
     min_slowdown: float,
     min_impact_us: float,
 ) -> list[Suspect]:
-    """The per-step rule (module docstring) on ``measure.layer_parts_per_step``; the time it costs is the excess
+    """The per-step rule (module docstring) on ``measure.layer_parts_per_step`` (``parts_per_step``: the spans
+    each GPU paced; ``every_part_per_step``: all spans, ``host_paced_too``); the time it costs is the excess
     share of the rank's layer spans per step (``layers``: ``measure.net_compute``'s layer samples). Adds its
     evidence to a compute suspect already named (``evidence["per_step_layers"]``) or names a new one; returns
     the new suspects."""
-    alone = lone_stages(traces, parts_per_step)
+    alone = lone_stages(traces, every_part_per_step)  # a rank whose GPU paced no span is still a baseline
     if len(alone) < 2:
-        return []
-    typical = _typical_layer_per_step(alone, parts_per_step)
-    steps = sorted(typical)
-    if len(steps) < _MIN_STEPS:
         return []
     by_rank = {s.rank: s for s in suspects if s.kind == "compute"}
     margin = _stage_margin(traces)
     found = []
     for rank in alone:
         others = [q for q in alone if q != rank]
-        own = [typical[s][rank] for s in steps]
-        baseline = [lower_half_median([typical[s][q] for q in others]) for s in steps]
+        typical = _typical_layer_per_step(rank, others, parts_per_step, every_part_per_step)
+        steps = sorted(typical)
+        if len(steps) < _MIN_STEPS:
+            continue
+        own = [typical[s][0] for s in steps]
+        baseline = [typical[s][1] for s in steps]
         excess = trimmed_mean([a / b - 1.0 for a, b in zip(own, baseline)])
         if excess < margin * min_slowdown:
             continue
@@ -186,19 +191,35 @@ def cross_stage_step_suspects(
 
 
 def _typical_layer_per_step(
-    ranks: list[int], parts_per_step: dict[int, dict[int, dict[str, list[float]]]]
-) -> dict[int, dict[int, float]]:
-    """Per step where every rank has at least ``_MIN_PARTS`` parts in common: per rank, the sum over those parts
-    of the part's mean (µs)."""
-    common_steps = set.intersection(*(set(parts_per_step[r]) for r in ranks))
-    typical: dict[int, dict[int, float]] = {}
-    for step in common_steps:
-        parts = set.intersection(*(set(parts_per_step[r][step]) for r in ranks))
+    rank: int,
+    others: list[int],
+    paced: dict[int, dict[int, dict[str, list[float]]]],
+    every: dict[int, dict[int, dict[str, list[float]]]],
+) -> dict[int, tuple[float, float]]:
+    """Per step where ``rank``'s GPU paced at least ``_MIN_PARTS`` layer parts that every other rank ran: (its
+    typical layer, the others' lower-half median), each the sum over those parts of the part's mean (µs).
+
+    ``rank``'s side holds only the spans its GPU paced (its host's noise stays out). An other rank's part is
+    the larger of the mean of the spans its GPU paced and the mean of all its spans: the stage a fault spares
+    is the one whose GPU idles for its host, so in a launch-bound pipeline it paced few spans (on 2 x H200, PP2,
+    another process copying memory on the last stage's GPU: 2-3 steps of 12 where both stages had GPU-paced
+    parts in common, the second stage's typical layer 2-3x the first's, and nothing named). All its spans are
+    an upper bound of its GPU's time, so filling in with them can only hide a slowdown, not make one."""
+    typical: dict[int, tuple[float, float]] = {}
+    for step, own_parts in paced.get(rank, {}).items():
+        parts = [p for p in own_parts if all(p in every.get(q, {}).get(step, {}) for q in others)]
         if len(parts) < _MIN_PARTS:
             continue
-        sums = {r: sum(statistics.fmean(parts_per_step[r][step][p]) for p in parts) for r in ranks}
-        if all(v > 0 for v in sums.values()):
-            typical[step] = sums
+        own = sum(statistics.fmean(own_parts[p]) for p in parts)
+        theirs = []
+        for q in others:
+            mine = paced.get(q, {}).get(step, {})
+            theirs.append(
+                sum(max(statistics.fmean(every[q][step][p]), statistics.fmean(mine.get(p) or [0.0])) for p in parts)
+            )
+        baseline = lower_half_median(theirs)
+        if own > 0 and baseline > 0:
+            typical[step] = (own, baseline)
     return typical
 
 

@@ -223,6 +223,7 @@ class _Simulation:
         for (number, part), weight in zip(parts, weights):
             args = {"step": step, "layer": number, "part": part, "direction": direction}
             t1 = t0 + (end - start) * weight / sum(weights)
+            args = self.queue_args(rank, args, t1 - t0)  # a host-paced rank's layer spans are host-paced too
             self.x(rank, f"layer {number} {part}", "compute.layer", TID["compute"], t0, t1, args)
             t0 = t1
 
