@@ -4,9 +4,9 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/dpp.py --cpu --out benchmarks/results/dpp_cpu.json
     torchrun --standalone --nproc-per-node 2 benchmarks/dpp.py --cpu-dry-run --out /tmp/dpp.json   # plumbing check
 
-One launch builds one PP2 × VPP2 model (GPT 1.3B: 24 × 2048, seq 2048, micro-batch 4, bf16) and then runs every
-case in turn, round after round (GPU timings drift between launches; alternating in one launch keeps the
-comparison fair). A *case* is a schedule and a condition:
+One launch builds one PP × VPP2 model, one pipeline stage per process (``--nproc-per-node 4``: PP4 × VPP2; GPT
+1.3B: 24 × 2048, seq 2048, micro-batch 4, bf16) and then runs every case in turn, round after round (GPU timings
+drift between launches; alternating in one launch keeps the comparison fair). A *case* is a schedule and a condition:
 
 * schedules: ``interleaved`` (megatron-core over NCCL, the baseline), ``dpp`` with ``static`` (megatron-core's
   order over the tagged ``shm`` transport with CUDA IPC) and ``adaptive`` with 0, 2 or 4 extra activations;
@@ -106,6 +106,12 @@ def worker(
 
     on_cpu = args.cpu_dry_run or args.cpu
     shape = MODEL_TINY if args.cpu_dry_run else MODEL_CPU if args.cpu else MODEL_1_3B
+    stages = int(os.environ.get("WORLD_SIZE", 2))  # pipeline parallelism alone: one stage per process
+    chunks_needed = stages * (virtual or 1)
+    if shape["num_layers"] % chunks_needed:  # the tiny dry-run model at PP4 x VPP2: one layer per chunk
+        if not args.cpu_dry_run:
+            raise SystemExit(f"{shape['num_layers']} layers do not split into {stages} stages x {virtual or 1} chunks")
+        shape = dict(shape, num_layers=chunks_needed)
     micro_batch = 2 if on_cpu else 4
     on_gpu = torch.cuda.is_available() and not on_cpu
     if on_cpu:
@@ -200,10 +206,10 @@ def worker(
     gbs = micro_batch * args.microbatches
     trainer = pl.Trainer(
         accelerator="cpu" if on_cpu else "gpu",
-        devices=2,
+        devices=stages,
         precision="32-true" if on_cpu else "bf16-mixed",
         strategy=MegatronAppStrategy(
-            pipeline_model_parallel_size=2,
+            pipeline_model_parallel_size=stages,
             virtual_pipeline_model_parallel_size=virtual,
             micro_batch_size=micro_batch,
             timeout=600,
@@ -225,7 +231,19 @@ def worker(
     trainer.fit(model, data)
     if rank != 0:
         return
-    report(args, bench.plan, results, bench.peaks_per_rank, timings, losses, shape, micro_batch, virtual, extra_report)
+    report(
+        args,
+        bench.plan,
+        results,
+        bench.peaks_per_rank,
+        timings,
+        losses,
+        shape,
+        micro_batch,
+        virtual,
+        extra_report,
+        stages,
+    )
 
 
 def report(
@@ -239,6 +257,7 @@ def report(
     micro_batch: int,
     virtual: Optional[int] = 2,
     extra_report: Any = None,
+    stages: int = 2,
 ) -> None:
     rows = []
     first = plan[0]
@@ -261,7 +280,9 @@ def report(
             "speedup_vs_first_case": round(clean_baseline / median, 4),
             "peak_memory_gib": round(max(peaks.get(key, [0.0])), 4),  # the most loaded rank's
             "peak_memory_gib_per_rank": [round(p, 4) for p in peaks.get(key, [])],
-            "predicted_step_s": predict(case, timings, args.microbatches) if calibrate_of(case) else None,
+            "predicted_step_s": predict(case, timings, args.microbatches, stages, virtual or 1)
+            if calibrate_of(case)
+            else None,
             "loss": losses.get(key),
         }
         rows.append(row)
@@ -273,7 +294,7 @@ def report(
             "layer_spec": getattr(args, "layer_spec", None) or "local",
             "micro_batch_size": micro_batch,
             "microbatches": args.microbatches,
-            "layout": "PP2" if virtual is None else f"PP2 x VPP{virtual}",
+            "layout": f"PP{stages}" if virtual is None else f"PP{stages} x VPP{virtual}",
             "rounds": args.rounds,
             "steps_per_round": args.steps,
             "warmup_per_round": args.warmup,
@@ -304,7 +325,9 @@ def calibrate_of(case: dict[str, Any]) -> bool:
     return not case.get("options", {}).get("split_weight_grads") and case["schedule"] in ("dpp", "interleaved")
 
 
-def predict(case: dict[str, Any], timings: dict[str, float], microbatches: int, seeds: int = 20) -> Any:
+def predict(
+    case: dict[str, Any], timings: dict[str, float], microbatches: int, stages: int, chunks: int, seeds: int = 20
+) -> Any:
     """The simulator's median step time for the case, from the measured forward and backward times and the same
     delay model (``delay_for`` of the transport's own spec), over ``seeds`` draws."""
     from functools import partial
@@ -322,8 +345,8 @@ def predict(case: dict[str, Any], timings: dict[str, float], microbatches: int, 
         if "link_delay" in case:
             delay = partial(delay_for, LinkDelay.coerce({**case["link_delay"], "seed": 1000 + seed}))
         scenario = Scenario(
-            pipeline=2,
-            chunks=2,
+            pipeline=stages,
+            chunks=chunks,
             microbatches=microbatches,
             forward_s=timings["forward_s"],
             backward_s=timings["backward_s"],
@@ -347,7 +370,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if "RANK" not in os.environ:
-        parser.error("run under torchrun --standalone --nproc-per-node 2 (see the module docstring)")
+        parser.error("run under torchrun --standalone --nproc-per-node N (N pipeline stages; see the module docstring)")
     worker(args)
     return 0
 

@@ -22,10 +22,14 @@ and microbatch, 1F1B's step is (M + P − 1)(F + B + W) and ZB-H1's M(F + B + W)
 B ≈ W ≈ F (a backward is about two forwards) the bubble shrinks to a third and the bound is
 3(M + P − 1) / (3M + P − 1): 1.154× at M = 4, 1.08× at 8, 1.04× at 16 for P = 2.
 
-``--split``: MegaFBD's rank split instead (forward replica and backward replica on the two GPUs, both modes, vs
-data-parallel training, with the performance model's prediction beside each measurement; ``fbd_split.py``)::
+``--split``: MegaFBD's rank split instead (forward replicas and backward replicas, both modes, vs data-parallel
+training on the same GPUs, with the performance model's prediction beside each measurement; ``fbd_split.py``)::
 
     torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --split --microbatches 8 --out ...split.json
+    torchrun --standalone --nproc-per-node 4 benchmarks/fbd.py --split --tp 2 ...        # TP2 forward, TP2 backward
+    torchrun --standalone --nproc-per-node 4 benchmarks/fbd.py --split --forward-replicas 3 ...   # 3:1 (1: 1:3)
+
+``--nproc-per-node 4`` without ``--split``: PP4 (``zb-h1`` against 1F1B at four stages).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def theory(microbatches: int, virtual: Any):  # noqa: ANN201
     def extra(rows: list[dict[str, Any]], timings: dict[str, float]) -> dict[str, Any]:
         from lightning_megatron.pipeline.wgrad_accumulate import fused_accumulation_status
 
-        stages = 2
+        stages = int(os.environ.get("WORLD_SIZE", 2))  # one pipeline stage per process
         return {
             "fused_wgrad_gemm": fused_accumulation_status(),  # available: False (and why) if it fell back
             "theory": {
@@ -89,6 +93,10 @@ def main() -> int:
     parser.add_argument("--cpu-dry-run", action="store_true")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--split", action="store_true", help="the rank split (fbd) vs data parallel")
+    parser.add_argument("--tp", type=int, default=1, help="--split: tensor-parallel GPUs in each replica")
+    parser.add_argument(
+        "--forward-replicas", type=int, default=1, help="--split: the replicas that run forwards (the rest backwards)"
+    )
     parser.add_argument(
         "--layer-spec", default=None, help="the layer implementation (models.specs; default: local, sdpa with --split)"
     )
@@ -96,7 +104,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if "RANK" not in os.environ:
-        parser.error("run under torchrun --standalone --nproc-per-node 2 (see the module docstring)")
+        parser.error("run under torchrun --standalone --nproc-per-node N (see the module docstring)")
     if args.split:
         from fbd_split import split_worker
 

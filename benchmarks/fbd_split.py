@@ -1,16 +1,19 @@
-"""MegaFBD's rank split on 2 GPUs: forward on one, backward on the other, vs data-parallel training on both.
+"""MegaFBD's rank split: forward replicas and backward replicas, vs data-parallel training on the same GPUs.
 
-Run through ``benchmarks/fbd.py --split`` (torchrun, 2 processes). One model, PP1, data-parallel size 2; cases
-alternated in rounds within one launch (median step time of ``strategy.forward_backward``):
+Run through ``benchmarks/fbd.py --split`` (torchrun, N processes). One model, PP1, ``--tp`` GPUs per replica
+(tensor parallelism inside each role), data-parallel size ``DP = N / tp``, of which the last ``--forward-replicas``
+(``F``) run forwards and the other ``B = DP − F`` backwards (2 GPUs: 1:1; 4 GPUs: ``--tp 2`` for TP2 in each
+role, ``--forward-replicas 1`` or ``3`` for 1:3 and 3:1). Cases alternated in rounds within one launch (median
+step time of ``strategy.forward_backward``):
 
-* ``dp2`` — megatron-core's schedule, both GPUs train (2 × M microbatches per step; the baseline);
-* ``fbd-recompute`` — GPU 1 runs forwards only, GPU 0 recomputes and runs the backwards (M per step). At PP1 the
-  forward replica's work feeds nobody (the backward's recompute starts from the tokens), so this is the mode's
-  floor: the backward GPU alone does F + B per microbatch;
-* ``fbd-ship`` — GPU 1 runs each forward with autograd and ships the saved activations; GPU 0 replays the
-  graph without its GEMMs and runs the backward.
+* ``dpN`` — megatron-core's schedule, every GPU trains (DP × M microbatches per step; the baseline);
+* ``fbd-recompute`` — the forward replicas run forwards only, the backward replicas recompute and run the
+  backwards (B × M per step). At PP1 a forward replica's work feeds nobody (the backward's recompute starts from
+  the tokens), so this is the mode's floor: a backward GPU alone does F + B per microbatch;
+* ``fbd-ship`` — the forward replicas run each forward with autograd and ship the saved activations; the
+  backward replicas replay the graph without its GEMMs and run the backward.
 
-For each rank-split case: throughput relative to ``dp2`` (samples per second), and the session's performance
+For each rank-split case: throughput relative to ``dpN`` (samples per second), and the session's performance
 model (measured parts of the second and third steps, composed) against the measured median: the check is |error| ≤ 10%.
 """
 
@@ -26,11 +29,14 @@ from typing import Any
 from dpp import MODEL_1_3B, MODEL_CPU, MODEL_TINY  # noqa: E402  (benchmarks/ is the script's directory)
 from provenance import provenance  # noqa: E402
 
-CASES = [
-    dict(name="dp2", schedule="1f1b", options=None),
-    dict(name="fbd-recompute", schedule="fbd", options={"mode": "recompute"}),
-    dict(name="fbd-ship", schedule="fbd", options={"mode": "ship"}),
-]
+
+def split_cases(data_parallel: int, forward_replicas: int) -> list[dict[str, Any]]:
+    split = {"forward_replicas": forward_replicas}
+    return [
+        dict(name=f"dp{data_parallel}", schedule="1f1b", options=None),
+        dict(name="fbd-recompute", schedule="fbd", options={"mode": "recompute", **split}),
+        dict(name="fbd-ship", schedule="fbd", options={"mode": "ship", **split}),
+    ]
 
 
 def split_worker(args: argparse.Namespace) -> None:
@@ -51,6 +57,17 @@ def split_worker(args: argparse.Namespace) -> None:
     if on_cpu:
         torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 2))
+    tp = args.tp
+    if world % tp or world // tp <= args.forward_replicas:
+        raise SystemExit(
+            f"{world} processes, --tp {tp}: a data-parallel size of {world / tp:g}, which must be a whole number "
+            f"above --forward-replicas {args.forward_replicas}"
+        )
+    dp = world // tp
+    backward = dp - args.forward_replicas
+    cases = split_cases(dp, args.forward_replicas)
+    baseline = cases[0]["name"]
     results: dict[str, list[float]] = {}
     predictions: dict[str, list[float]] = {}
     models: dict[str, str] = {}
@@ -94,7 +111,7 @@ def split_worker(args: argparse.Namespace) -> None:
                 return times
 
             for round_ in range(args.rounds):
-                for case in CASES if round_ % 2 == 0 else list(reversed(CASES)):
+                for case in cases if round_ % 2 == 0 else list(reversed(cases)):
                     if on_gpu:
                         torch.cuda.reset_peak_memory_stats()
                     times = run_case(case, args.warmup + args.steps)
@@ -110,12 +127,14 @@ def split_worker(args: argparse.Namespace) -> None:
                         )
             trainer.should_stop = True
 
-    gbs = micro_batch * args.microbatches * 2  # DP2: each replica's batch holds `microbatches` microbatches
+    gbs = micro_batch * args.microbatches * dp  # each replica's batch holds `microbatches` microbatches
     trainer = pl.Trainer(
         accelerator="cpu" if on_cpu else "gpu",
-        devices=2,
+        devices=world,
         precision="32-true" if on_cpu else "bf16-mixed",
-        strategy=MegatronAppStrategy(micro_batch_size=micro_batch, timeout=600),
+        strategy=MegatronAppStrategy(
+            micro_batch_size=micro_batch, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, timeout=600
+        ),
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -132,17 +151,17 @@ def split_worker(args: argparse.Namespace) -> None:
     trainer.fit(model, data)
     if rank != 0:
         return
-    base = statistics.median(results["dp2"])
+    base = statistics.median(results[baseline])
     rows = []
-    for case in CASES:
+    for case in cases:
         median = statistics.median(results[case["name"]])
-        samples = micro_batch * args.microbatches * (2 if case["name"] == "dp2" else 1)
+        samples = micro_batch * args.microbatches * (dp if case["name"] == baseline else backward)
         row: dict[str, Any] = {
             "case": case["name"],
             "median_step_s": round(median, 5),
             "steps_s": [round(t, 5) for t in results[case["name"]]],
             "samples_per_s": round(samples / median, 3),
-            "throughput_vs_dp2": round((samples / median) / (2 * micro_batch * args.microbatches / base), 4),
+            "throughput_vs_data_parallel": round((samples / median) / (dp * micro_batch * args.microbatches / base), 4),
             "peak_memory_gib": round(peaks.get(case["name"], 0.0), 2),
         }
         if case["name"] in predictions:
@@ -153,7 +172,11 @@ def split_worker(args: argparse.Namespace) -> None:
             row["performance_model"] = models[case["name"]]
         rows.append(row)
     summary = {
-        "benchmark": "fbd rank split (PP1, DP2: 1 forward + 1 backward replica) vs DP2",
+        "benchmark": f"fbd rank split (PP1, TP{tp}, DP{dp}: {args.forward_replicas} forward + {backward} backward "
+        f"replica(s)) vs DP{dp}",
+        "tensor_parallel": tp,
+        "forward_replicas": args.forward_replicas,
+        "backward_replicas": backward,
         "model": shape,
         "layer_spec": args.layer_spec,
         "micro_batch_size": micro_batch,
@@ -161,13 +184,15 @@ def split_worker(args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "rows": rows,
-        "theory": "recompute: 1/(2(F+B)/(F+B)) = 0.5x of DP2; ship: <= 0.75x (B / (F+B) with the forward off the "
-        "backward GPU, if the transfer and replay hide)",
+        "theory": f"recompute: B/DP = {backward / dp:.3g}x of data-parallel (a backward GPU does F + B per "
+        f"microbatch, as a data-parallel one); ship: <= (B/DP)(F+B)/B = {backward / dp * 1.5:.3g}x with B = 2F, if "
+        "the forwards, transfers and replays hide (and no more than the forward replicas can feed)",
         **provenance(),
     }
     for row in rows:
         print(
-            f"{row['case']:>14}: {row['median_step_s'] * 1e3:9.1f} ms  {row['throughput_vs_dp2']:.3f}x dp2  "
+            f"{row['case']:>14}: {row['median_step_s'] * 1e3:9.1f} ms  {row['throughput_vs_data_parallel']:.3f}x "
+            f"{baseline}  "
             f"predicted {row.get('predicted_step_s', 0) * 1e3:9.1f} ms ({row.get('prediction_error', 0):+.1%})  "
             f"peak {row['peak_memory_gib']} GiB"
         )

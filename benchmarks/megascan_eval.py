@@ -68,38 +68,29 @@ from typing import Any
 
 from host_usage import HostUsage  # noqa: E402
 from megascan_overhead import CPU_MODEL, GPU_MODELS, MICRO_BATCH, fit_once  # noqa: E402  (benchmarks/ is on the path)
+from megascan_score import EXPECTED, rescore, score, suspect_record  # noqa: E402
 from outside_faults import CpuQuota, StressNg, cpu_quota_available, stress_ng_available  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+_TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 LAYOUTS = {
     "dp2": {},
-    "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "tp2-sp": _TP2_SP,
     "pp2": {"pipeline_model_parallel_size": 2},
     "single": {},
+    # 4 and 8 GPUs (issue 18's machines): more than one peer, and peers and stages together
+    "dp4": {},
+    "dp2-pp2": {"pipeline_model_parallel_size": 2},
+    "tp2-pp2": {**_TP2_SP, "pipeline_model_parallel_size": 2},
+    "dp8": {},
+    "dp2-tp2-pp2": {**_TP2_SP, "pipeline_model_parallel_size": 2},
 }
-DEVICES = {"single": 1}  # processes per launch (2 otherwise)
+DEVICES = {"single": 1, "dp4": 4, "dp2-pp2": 4, "tp2-pp2": 4, "dp8": 8, "dp2-tp2-pp2": 8}  # processes (2 otherwise)
 TRACED_FROM = 2  # MegaScan(start_step=...): the first steps compile, capture graphs and fill caches
 GRANULARITY = {"pp2": "layer"}  # stages alone in their stage are compared on layer parts (MegaScan's advice)
-EXPECTED = {  # the kinds that name a fault rightly
-    "gpu-contention": {"compute"},
-    "gpu-contention-bursty": {"compute"},
-    "gpu-memory-contention": {"compute"},
-    "cpu-contention": {"host", "compute"},
-    "cpu-contention-stress-ng": {"host", "compute"},
-    "cpu-quota": {"host", "compute"},
-    "cpu-quota-bursty": {"host", "compute"},
-    "host-stall": {"host"},
-    "host-stall-in-step": {"host"},
-    "host-stall-hidden": {"host"},
-    "host-stall-exposed": {"host"},
-    "slow-loader": {"data"},
-    "slow-loader-mild": {"data"},
-    "link-delay": {"link"},
-}
-SLOWS_THE_JOB = 0.10  # a fault whose median step is at least this much above clean must be found
 MICROBATCHES = 4
 
 
@@ -112,7 +103,7 @@ def cases(layout: str, gpu: bool) -> list[str]:
         names[names.index("slow-loader") : names.index("slow-loader")] = ["cpu-quota", "cpu-quota-bursty"]
     if gpu:
         names[1:1] = ["gpu-contention", "gpu-contention-bursty", "gpu-memory-contention"]
-    if layout == "pp2":
+    if LAYOUTS[layout].get("pipeline_model_parallel_size", 1) > 1:
         names.append("link-delay")
     return names
 
@@ -126,24 +117,28 @@ COMPETITORS = {
 
 
 def _callbacks(
-    case: str,
-    rank: int,
-    step_ms: float,
-    trace_dir: Path,
-    micro_batch: int,
-    granularity: str,
-    competitors: dict[tuple[str, int], Any],
-    onset_step: int = 0,
+    case: str, rank: int, step_ms: float, trace_dir: Path, spec: dict[str, Any], competitors: dict[tuple[str, int], Any]
 ) -> tuple[list, Any]:
     """The MegaScan callback, the fault's callbacks, and a dataset wrapper for the loader faults. Competing
     processes are kept alive between fits (``competitors``: one per case and rank, paused between its fits), so
-    each run's fit starts with its fault already competing and pays no process start-up. ``onset_step``: the
-    fault begins at this step (0: from the start)."""
+    each run's fit starts with its fault already competing and pays no process start-up. From ``spec``: the
+    layout, the micro-batch size, the granularity, ``onset_step`` (the fault begins at this step; 0: from the
+    start) and ``trace_replays`` (``MegaScan(trace_replays=True)``: traced steps replayed as CUDA graphs at DP/TP
+    too, where the strategy graphs the step: not at PP)."""
     from lightning_megatron.scan import LinkDelayInjector, MegaScan
     from lightning_megatron.scan.faults import HostStall, SlowDataset
 
-    callbacks: list[Any] = [MegaScan(trace_dir, interval=1, window=1, start_step=TRACED_FROM, granularity=granularity)]
+    scan = MegaScan(
+        trace_dir,
+        interval=1,
+        window=1,
+        start_step=TRACED_FROM,
+        granularity=spec["granularity"],
+        trace_replays=spec.get("trace_replays") or None,
+    )
+    callbacks: list[Any] = [scan]
     wrap = None
+    micro_batch, onset_step = spec["micro_batch_size"], spec["onset_step"]
     if case in COMPETITORS:
         callbacks.append(_competitor(case, rank, onset_step, competitors))
     elif case.startswith("slow-loader"):
@@ -162,7 +157,8 @@ def _callbacks(
     elif case.startswith("cpu-quota"):
         callbacks.append(CpuQuota(rank, start_step=onset_step, cpus=0.8 if case.endswith("bursty") else 0.5))
     elif case == "link-delay":
-        callbacks.append(LinkDelayInjector(src=0, dst=1, delay_ms=0.25 * step_ms / MICROBATCHES))
+        next_stage = spec["devices"] // spec["layout"].get("pipeline_model_parallel_size", 1)  # rank 0's next stage
+        callbacks.append(LinkDelayInjector(src=0, dst=next_stage, delay_ms=0.25 * step_ms / MICROBATCHES))
     return callbacks, wrap
 
 
@@ -183,8 +179,8 @@ def _pin_cpus(per_rank: int | None = None) -> None:
 
 
 def _faulted_rank(case: str, run: int, devices: int) -> int:
-    """The rank a run's fault hits: alternating between the two (the link's sender is rank 0)."""
-    return 0 if case == "link-delay" or devices == 1 else run % 2
+    """The rank a run's fault hits: each rank in turn (the link's sender is rank 0)."""
+    return 0 if case == "link-delay" else run % devices
 
 
 def _competitor(case: str, rank: int, onset_step: int, competitors: dict) -> Any:
@@ -248,16 +244,7 @@ def _worker(spec: dict[str, Any]) -> None:
                 break
             rank = _faulted_rank(case, i, spec["devices"])
             step_ms = statistics.median(clean_ms) if clean_ms else 100.0
-            callbacks, wrap = _callbacks(
-                case,
-                rank,
-                step_ms,
-                workdir / f"{case}-{i}",
-                spec["micro_batch_size"],
-                spec["granularity"],
-                competitors,
-                spec["onset_step"],
-            )
+            callbacks, wrap = _callbacks(case, rank, step_ms, workdir / f"{case}-{i}", spec, competitors)
             host = HostUsage()
             started = time.perf_counter()
             times = fit_once(spec, [*callbacks, host], steps, wrap_dataset=wrap, wall=True)  # fetches included
@@ -275,7 +262,7 @@ def _worker(spec: dict[str, Any]) -> None:
                     "faulted_rank": None if case == "clean" else rank,
                     "step_ms": round(median_ms, 3),
                     "seconds": round(time.perf_counter() - started, 1),
-                    "suspects": [_suspect_record(s) for s in (report.suspects if report is not None else [])],
+                    "suspects": [suspect_record(s) for s in (report.suspects if report is not None else [])],
                     "hosts": hosts,
                 }
             )
@@ -291,97 +278,6 @@ def _worker(spec: dict[str, Any]) -> None:
     finally:
         for competitor in competitors.values():  # kept alive between fits: end them now
             competitor.close()
-
-
-def score(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per case: runs, the job's slowdown, recall (or quiet), precision; see the module docstring. A run's
-    slowdown is against the clean runs of its own launch (``launch``: one machine; 2 x H200 machines of one
-    session differed by up to 20% in clean step time), the case's the median of its runs'."""
-    clean_by_launch: dict[Any, list[float]] = {}
-    for r in records:
-        if r["case"] == "clean":
-            clean_by_launch.setdefault(r.get("launch"), []).append(r["step_ms"])
-    pooled = [ms for times in clean_by_launch.values() for ms in times]
-
-    def ratio(run: dict[str, Any]) -> float:
-        base = statistics.median(clean_by_launch.get(run.get("launch")) or pooled)
-        return run["step_ms"] / base
-
-    table: dict[str, Any] = {}
-    for case in dict.fromkeys(r["case"] for r in records):
-        group = [r for r in records if r["case"] == case]
-        slowdown = statistics.median(ratio(r) for r in group) - 1.0 if pooled else None
-        named = [s for r in group for s in r["suspects"]]
-        entry: dict[str, Any] = {"runs": len(group), "job_slowdown": None if slowdown is None else round(slowdown, 4)}
-        if case == "clean":
-            entry["must_name_nothing"] = True
-            entry["runs_with_a_suspect"] = sum(bool(r["suspects"]) for r in group)
-            ratios = [_probe_ratio(r, s["rank"]) for r in group for s in r["suspects"]]
-            if any(ratio is not None for ratio in ratios):  # runs with HostUsage's probe (from 2026-11-27 14:40)
-                entry["suspect_probe_ratios"] = ratios
-        else:
-            right = [
-                sum(1 for s in r["suspects"] if s["rank"] == r["faulted_rank"] and s["kind"] in EXPECTED[case])
-                for r in group
-            ]
-            wrong = [len(r["suspects"]) - n for r, n in zip(group, right)]
-            if slowdown is not None and slowdown >= SLOWS_THE_JOB:
-                entry["recall"] = round(sum(bool(n) for n in right) / len(group), 3)
-                entry["rank_found_any_kind"] = round(
-                    sum(any(s["rank"] == r["faulted_rank"] for s in r["suspects"]) for r in group) / len(group), 3
-                )
-            else:  # below the bar: naming it rightly is allowed, anything else is a false alarm
-                entry["slows_the_job_less_than_bar"] = True
-                entry["runs_naming_it_rightly"] = sum(bool(n) for n in right)
-            entry["runs_with_a_wrong_suspect"] = sum(bool(n) for n in wrong)
-            entry["precision"] = round(sum(right) / len(named), 3) if named else None
-        kinds: dict[str, int] = {}
-        for s in named:
-            kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
-        entry["named_kinds"] = kinds
-        table[case] = entry
-    return table
-
-
-def _probe_ratio(run: dict[str, Any], rank: int) -> float | None:
-    """How much slower ``rank``'s host ran the fixed probe than its peers' did in ``run`` (1.2: 20% slower); an
-    independent check of a ``host`` suspect where nothing was injected (``host_usage.HostUsage``)."""
-    probes = [h.get("probe_ms") if h else None for h in run.get("hosts", [])]
-    if rank >= len(probes) or probes[rank] is None:
-        return None
-    others = [p for k, p in enumerate(probes) if k != rank and p is not None]
-    return round(probes[rank] / statistics.median(others), 3) if others else None
-
-
-def rescore(result: dict[str, Any], traces: Path) -> dict[str, Any]:
-    """Detection run again, with today's rules, on the traces a GPU evaluation kept (``--keep-traces``): every
-    run whose folder ``TRACES/LAYOUT/CASE-RUN`` exists gets its suspects anew; runs without traces are left
-    out. The faults stay what they were, so a change of the rules is judged on real GPU traces without GPU
-    time."""
-    from lightning_megatron.scan.detect import detect
-
-    out = {**result, "rescored_from": str(traces), "layouts": {}}
-    for name, outcome in result["layouts"].items():
-        runs = []
-        for run in outcome.get("runs", []):
-            folder = traces / name / f"{run['case']}-{run['run']}"
-            if not folder.is_dir():
-                continue
-            report = detect(folder)
-            runs.append({**run, "suspects": [_suspect_record(s) for s in report.suspects]})
-        if runs:
-            out["layouts"][name] = {"runs": runs, "score": score(runs)}
-    return out
-
-
-def _suspect_record(s: Any) -> dict[str, Any]:
-    return {
-        "rank": s.rank,
-        "kind": s.kind,
-        "slowdown": s.slowdown,
-        "impact_ms": round(s.impact_ms, 3),
-        "rule": s.evidence.get("rule", "per-op medians"),
-    }
 
 
 def _launch(spec: dict[str, Any]) -> dict[str, Any]:
@@ -445,6 +341,12 @@ def main() -> int:
         help="GPU runs: pin each rank to this many CPUs of its own (a container's CPU set); cpu-contention then "
         "competes for those",
     )
+    parser.add_argument(
+        "--trace-replays",
+        action="store_true",
+        help="MegaScan(trace_replays=True): at DP2 and TP2 the traced steps stay CUDA-graph replays, as the "
+        "untraced ones (default: they run eagerly there, paced by the host on a launch-bound model)",
+    )
     parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
     parser.add_argument(
         "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
@@ -496,6 +398,7 @@ def main() -> int:
         "steps": args.steps,
         "runs": args.runs,
         "cpus_per_rank": args.cpus_per_rank,
+        "trace_replays": args.trace_replays,
     }
     command = " ".join(["python", "benchmarks/megascan_eval.py", *sys.argv[1:]])
     result: dict[str, Any] = {"what": "MegaScan detection against outside faults", **provenance(), "command": command}
@@ -509,7 +412,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for k, name in enumerate(args.layouts):
             layout, devices = LAYOUTS[name], DEVICES.get(name, 2)
-            dp = devices if not layout else 1
+            model_parallel = layout.get("tensor_model_parallel_size", 1) * layout.get("pipeline_model_parallel_size", 1)
+            dp = devices // model_parallel
             fraction = args.onset if args.onset is not None else (0.5 if devices == 1 else None)
             onset = 0 if fraction is None else TRACED_FROM + round((args.steps - TRACED_FROM) * fraction)
             if fraction is not None and min(onset - TRACED_FROM, args.steps - onset) < 8:

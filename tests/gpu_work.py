@@ -1,12 +1,15 @@
 """What the GPU tests share: random tensors of every dtype, a tensor that takes a known time to compute (the
-transport's "is the data ready" cases), where a test's results go (``record``), and the Llama-style layer
-settings the model tests add to a shape (``LLAMA_STYLE_LAYERS``)."""
+transport's "is the data ready" cases), where a test's results go (``record``), a fit in a script of its own
+(``run_script``: several GPUs, as Lightning starts the other ranks by running the script again), and the
+Llama-style layer settings the model tests add to a shape (``LLAMA_STYLE_LAYERS``)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,3 +81,18 @@ def record(file_name: str, tmp_path: Path, key: str, row: dict[str, Any]) -> Non
     rows = json.loads(out.read_text()) if out.exists() else {}
     rows[key] = {**row, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     out.write_text(json.dumps(rows, indent=1))
+
+
+def run_script(script: Path, *args: str, timeout: float = 600) -> dict[str, Any]:
+    """Run ``script`` (from the repository root) with ``args``; return the JSON of the last line it printed as
+    ``RESULT {json}``. A failure shows the end of its stderr."""
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])

@@ -19,18 +19,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gpu_work import LLAMA_STYLE_LAYERS, record
+from gpu_work import LLAMA_STYLE_LAYERS, record, run_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _record(tmp_path: Path, key: str, row: dict[str, Any]) -> None:
@@ -319,16 +316,7 @@ def _fits(model: dict[str, Any], extra: dict[str, Any], runs: dict[str, tuple[st
 
 
 def _fit(script: Path, setting: str, model: dict[str, Any], extra: dict[str, Any], module: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, str(script), setting, json.dumps(model), json.dumps(extra), module],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_script(script, setting, json.dumps(model), json.dumps(extra), module)
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:

@@ -43,10 +43,19 @@ def traced_fit(
     granularity: str = "stage",
     gzip: bool = False,
     trace: bool = True,
+    trace_replays: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Inside a rank: fit with MegaScan (and injectors); return losses, the report and what was left patched."""
     original_all_reduce = dist.all_reduce
-    scan = MegaScan(trace_dir, interval=1, window=1, granularity=granularity, gzip=gzip, detect_options=CPU_THRESHOLDS)
+    scan = MegaScan(
+        trace_dir,
+        interval=1,
+        window=1,
+        granularity=granularity,
+        gzip=gzip,
+        detect_options=CPU_THRESHOLDS,
+        trace_replays=trace_replays,
+    )
     callbacks: list[Any] = [scan] if trace else []
     if slow:
         callbacks.append(SlowdownInjector(ranks=slow, factor=factor))
@@ -128,9 +137,10 @@ def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path)
 
 
 def test_layer_granularity(ranks: Any, tmp_path: Path) -> None:
-    result = ranks.run(WORLD, traced_fit, str(tmp_path), DP2_PP2, steps=3, granularity="layer")
+    result = ranks.run(WORLD, traced_fit, str(tmp_path), DP2_PP2, steps=3, granularity="layer", trace_replays=True)
     plain = ranks.run(WORLD, traced_fit, str(tmp_path / "none"), DP2_PP2, steps=3, trace=False)
     assert [r["loss"] for r in result] == [r["loss"] for r in plain]
+    assert all(r["traces_replays"] for r in result)  # asked for at DP2 x PP2 (no graphs on CPUs: no effect)
     events = list(read_rank_file(list_rank_files(tmp_path)[0]))
     names = {e["name"] for e in events if e.get("cat") == "compute.layer"}
     assert {"layer 1 attention forward", "layer 1 mlp backward", "layer 2 mlp forward"} <= names
@@ -184,6 +194,8 @@ def test_bad_arguments_say_what_to_change() -> None:
         MegaScan(interval=1, window=2)
     with pytest.raises(MegatronConfigError, match="granularity"):
         MegaScan(granularity="kernel")  # type: ignore[arg-type]
+    with pytest.raises(MegatronConfigError, match="trace_replays='yes'"):
+        MegaScan(trace_replays="yes")  # type: ignore[arg-type]
     with pytest.raises(MegatronConfigError, match="factor"):
         SlowdownInjector(ranks=[0], factor=0.5)
 

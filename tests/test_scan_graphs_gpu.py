@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -32,7 +30,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
-from gpu_work import LLAMA_STYLE_LAYERS, record
+from gpu_work import LLAMA_STYLE_LAYERS, record, run_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -334,29 +332,105 @@ print("RESULT", json.dumps({"loss": out["loss"], "graph": out["probe"]}))
 """
 
 
+def _two_gpu_fit(scratch: Path, source: str, *args: str) -> dict[str, Any]:
+    """Run ``source`` (a fit of 2 processes that prints ``RESULT {json}``) with ``args``; return that JSON."""
+    script = scratch / "two_gpu_fit.py"  # a file: Lightning starts rank 1 by running sys.argv again
+    script.write_text(source)
+    return run_script(script, *args)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpu_traced_steps_run_eagerly_between_replays(tmp_path: Path) -> None:
     """DP2, graphs by default: MegaScan traces replays only in one-process fits, so here its traced steps (1, 3, 5,
     7, 9) run eagerly and the untraced ones are warm-up steps, the capture and replays (0, 2, 4, 6, 8); the fit
     trains as the untraced one (same kernels: the fused ones chosen with the graph, eager or replayed)."""
-    results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        script = Path(scratch) / "traced_fit.py"  # a file: Lightning starts rank 1 by running sys.argv again
-        script.write_text(_TWO_GPU_FIT)
-        for name in ("traced", "untraced"):
-            done = subprocess.run(
-                [sys.executable, str(script), name],
-                cwd=Path(__file__).resolve().parents[1],
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            assert done.returncode == 0 and lines, done.stderr[-4000:]
-            results[name] = json.loads(lines[-1][len("RESULT ") :])
+        results = {name: _two_gpu_fit(Path(scratch), _TWO_GPU_FIT, name) for name in ("traced", "untraced")}
     traced, untraced = results["traced"], results["untraced"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(traced["loss"], untraced["loss"]))
     record("megascan_graphs_gpu.json", tmp_path, "two_gpu_dp2", {**results, "max_rel_loss_diff": worst})
     assert untraced["graph"] == [1, 8, 0], untraced["graph"]
     assert traced["graph"] == [1, 3, 5], traced["graph"]  # captured at step 4, replayed at 4, 6, 8
     assert worst <= 1e-4, results
+
+
+_TWO_GPU_REPLAYED = r"""
+import json, sys
+sys.path.insert(0, "tests")
+from cases import fit_gpt
+from lightning_megatron.scan import MegaScan
+
+mode, layout, trace_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+scan = [] if mode == "untraced" else [
+    MegaScan(trace_dir, interval=1, window=1, detect=True, gpu_busy_every=1, trace_replays=mode == "replayed")
+]
+parallel = {"dp2": {}, "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True}}[layout]
+
+def probe(module):
+    graph = module.trainer.strategy.step_graph
+    return None if graph is None else [graph.captures, graph.replays, graph.eager_steps_by_caller]
+
+model = dict(vocab_size=1024, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=4)
+out = fit_gpt(2, steps=10, precision="bf16-mixed", accelerator="gpu", model=model, probe=probe, callbacks=scan,
+              data={"vocab_size": 1024, "seq_length": 128, "global_batch_size": 8}, **parallel)
+report = scan[0].report if scan else None
+suspects = [] if report is None else [[s.rank, s.kind] for s in report.suspects]
+print("RESULT", json.dumps({"loss": out["loss"], "graph": out["probe"], "suspects": suspects}))
+"""
+
+_IN_THE_GRAPH = ("compute", "compute.layer", "grad_sync", "collective")
+
+
+def _rank_steps(trace_dir: Path) -> dict[int, dict[int, list[dict[str, Any]]]]:
+    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+
+    out: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for rank, path in list_rank_files(trace_dir).items():
+        for event in read_rank_file(path):
+            step = (event.get("args") or {}).get("step")
+            if event.get("ph") == "X" and step is not None:
+                out.setdefault(rank, {}).setdefault(step, []).append(event)
+    return out
+
+
+def _span_kinds(step: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return sorted((e["name"], e["cat"], e["args"].get("microbatch", -1)) for e in step if e["cat"] in _IN_THE_GRAPH)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", ["dp2", "tp2-sp"])
+def test_two_gpu_replayed_traces_hold_the_eager_steps_spans(tmp_path: Path, layout: str) -> None:
+    """``MegaScan(trace_replays=True)`` at DP2 and TP2 + SP: the traced steps stay replays (one capture, no step
+    made eager for MegaScan), the fit trains as the untraced one, and every replayed step of every rank holds the
+    spans an eagerly traced step holds (forward, backward, gradient sync, the collectives: those inside the graph
+    are its own events), each inside its step span, marked ``graph``; detection on the clean replayed fit names
+    nothing. What a multi-GPU default (``trace_replays=None``) waits for before tracing replays there."""
+    modes = ("replayed", "eager", "untraced")
+    results = {mode: _two_gpu_fit(tmp_path, _TWO_GPU_REPLAYED, mode, layout, str(tmp_path / mode)) for mode in modes}
+    replayed, untraced = results["replayed"], results["untraced"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(replayed["loss"], untraced["loss"]))
+    replayed_steps, eager_steps = _rank_steps(tmp_path / "replayed"), _rank_steps(tmp_path / "eager")
+    spans = {rank: len(_span_kinds(steps[5])) for rank, steps in replayed_steps.items()}
+    record(
+        "megascan_graphs_gpu.json",
+        tmp_path,
+        f"two_gpu_replayed_{layout}",
+        {**results, "max_rel_loss_diff": worst, "spans_in_a_replayed_step": spans},
+    )
+    assert replayed["graph"] == untraced["graph"], results  # one capture, the same replays, nothing made eager
+    assert worst <= 1e-4, results
+    assert sorted(replayed_steps) == [0, 1]
+    for rank, steps in replayed_steps.items():
+        eager = _span_kinds(eager_steps[rank][5])
+        assert any(cat == "collective" for _, cat, _ in eager) or layout == "dp2", eager
+        for number in range(3, 10):  # captured at step 2 (after two eager warm-up steps), replayed from 3 on
+            step = steps[number]
+            assert _span_kinds(step) == eager, (rank, number)
+            inside = [e for e in step if e["cat"] in _IN_THE_GRAPH and e["args"].get("graph")]
+            assert inside, (rank, number)
+            (frame,) = [e for e in step if e["cat"] == "step"]
+            assert all(
+                frame["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= frame["ts"] + frame["dur"] + 1 for e in inside
+            )
+            assert all(e["dur"] > 0 for e in inside)
+    assert replayed["suspects"] == [], replayed["suspects"]

@@ -96,6 +96,12 @@ class MegaScan(pl.Callback, StepListener):
             median step period was 346 ms with every step's window profiled, 268 ms without; CUPTI's set-up and
             tear-down), so the default, one window in 10 (with ``interval=5``: one step in 50), keeps it near
             0.6% of that job's time.
+        trace_replays: Whether a traced step that the strategy replays as a CUDA graph is traced as a replay (the
+            graph's own events, ``scan.recorder``) or run eagerly. None: replays in one-process fits, whose
+            replayed traces were checked against eager ones; eagerly at TP/DP. True: replays at TP/DP too, where
+            that check has not run on GPUs yet (a warning says so). An eager traced step of a launch-bound model
+            is paced by its host, which the replayed job is not: on 2 x H200 at DP2, eager traced steps named a
+            rank whose host queued slower in a third of clean fits. False: traced steps always run eagerly.
     """
 
     def __init__(
@@ -116,7 +122,13 @@ class MegaScan(pl.Callback, StepListener):
         profile_options: Optional[dict[str, bool]] = None,
         gpu_busy: bool = True,
         gpu_busy_every: int = 10,
+        trace_replays: Optional[bool] = None,
     ) -> None:
+        if trace_replays is not None and not isinstance(trace_replays, bool):
+            raise MegatronConfigError(
+                f"MegaScan(trace_replays={trace_replays!r}): True, False, or None (replays in one-process fits)."
+            )
+        self._trace_replays = trace_replays
         if window < 1 or interval < window:
             raise MegatronConfigError(
                 f"MegaScan(interval={interval}, window={window}): need 1 <= window <= interval "
@@ -160,10 +172,11 @@ class MegaScan(pl.Callback, StepListener):
         self._open: dict[str, list[Span]] = {}
         self._open_outside: dict[str, list[Span]] = {}  # the window's open spans while a capture runs
         self.traces_replays = True
-        """Whether steps replayed as CUDA graphs are traced (set in ``setup``): in one-process fits, whose replayed
-        traces were checked against eager ones (``tests/test_scan_graphs_gpu.py``). At TP/DP the collective spans
-        and the detection rules were evaluated on eager steps, so there the traced steps run eagerly, until
-        replayed multi-GPU traces have been checked the same way."""
+        """Whether steps replayed as CUDA graphs are traced (set in ``setup`` from ``trace_replays``): by default in
+        one-process fits, whose replayed traces were checked against eager ones (``tests/test_scan_graphs_gpu.py``).
+        At TP/DP the collective spans and the detection rules were evaluated on eager steps, so there the traced
+        steps run eagerly unless ``trace_replays=True``, until replayed multi-GPU traces have been checked the same
+        way."""
         self._p2p_seq: dict[tuple[int, str, str], int] = {}
         self._step_span: Optional[Span] = None
         self._run_delay = RunDelay()  # the training thread's waits for a CPU (``scan.sched``)
@@ -232,7 +245,14 @@ class MegaScan(pl.Callback, StepListener):
             raise MegatronConfigError(
                 f"MegaScan(profile_steps={self.profile_steps}): {late} never run with max_steps={trainer.max_steps}."
             )
-        self.traces_replays = trainer.world_size == 1
+        world = trainer.world_size
+        self.traces_replays = world == 1 if self._trace_replays is None else self._trace_replays
+        if self._trace_replays and world > 1:
+            warnings.warn(
+                f"MegaScan(trace_replays=True) with {world} processes: replayed traces at TP/DP have not been "
+                "checked against eager ones on GPUs yet (collective and gradient-sync spans inside the graph).",
+                stacklevel=2,
+            )
         self._busy_blocked = self.gpu_busy and isinstance(trainer.profiler, PyTorchProfiler)
         if self._busy_blocked:
             warnings.warn(

@@ -6,14 +6,16 @@ GPU's stream, so its copy is part of the receiver's work): per pipeline stage, t
 (in ship mode with the capture and packing), the backward replica's recompute (or replay) and backward, the bytes
 of each message kind, the link's latency and bandwidth, and the gradient reduction at the end of the step.
 :func:`predict` composes them with the schedule's dependencies (a small event simulation: a forward replica runs
-its partners' microbatches in turn, stage after stage; a backward stage needs its input or bundle and the next
-stage's gradient; a ship-mode forward runs at most ``prefetch`` microbatches ahead of its partner) and
+the microbatches dealt to it in turn, stage after stage; a backward stage needs its input or bundle and the
+next stage's gradient; a ship-mode forward runs at most ``prefetch`` microbatches ahead of its partner) and
 :func:`describe` prints the table the session shows at start-up.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from lightning_megatron.pipeline.fbd.roles import dealt_to
 
 __all__ = ["Parts", "describe", "predict"]
 
@@ -24,8 +26,10 @@ class Parts:
 
     mode: str
     microbatches: int
-    served: int
-    """Backward replicas one forward replica serves."""
+    backward_replicas: int
+    forward_replicas: int
+    """The split (``Roles``): microbatch ``m`` of backward replica ``b`` runs on forward replica
+    ``(m·B + b) mod F``."""
     prefetch: int
     forward_s: list[float]
     recompute_s: list[float]
@@ -49,35 +53,46 @@ class Parts:
 
 def predict(parts: Parts) -> float:
     """The predicted seconds of one step's forwards, backwards and gradient reduction."""
-    stages, microbatches, served = len(parts.forward_s), parts.microbatches, parts.served
+    stages, microbatches = len(parts.forward_s), parts.microbatches
+    backward, forward = parts.backward_replicas, parts.forward_replicas
     ship = parts.mode == "ship"
     forward_stages = parts.forward_stages if parts.forward_stages >= 0 else stages if ship else stages - 1
     fwd_done: dict[tuple[int, int, int], float] = {}
     bwd_started: dict[tuple[int, int, int], float] = {}
     bwd_done: dict[tuple[int, int, int], float] = {}
-    fwd_free = [0.0] * stages
-    bwd_free = [[0.0] * stages for _ in range(served)]
-    order = [(m, b) for m in range(microbatches) for b in range(served)]
-    # Forward replica and backward replicas are simulated in rounds: a ship-mode forward depends on its partner's
-    # progress (prefetch), so alternate until every time is known.
-    pending_fwd = [(m, b, s) for (m, b) in order for s in range(forward_stages)]
-    pending_bwd = {b: [(m, s) for m in range(microbatches) for s in reversed(range(stages))] for b in range(served)}
+    fwd_free = [[0.0] * stages for _ in range(forward)]
+    bwd_free = [[0.0] * stages for _ in range(backward)]
+    order: list[list[tuple[int, int]]] = [[] for _ in range(forward)]  # each forward replica's (m, b), in turn
+    for m in range(microbatches):
+        for b in range(backward):
+            order[dealt_to(b, m, backward, forward)].append((m, b))
+    # A ship-mode forward waits for the bundle `prefetch` earlier of the same partner on the same forward replica.
+    waits_for: dict[tuple[int, int], int] = {}
+    for runs in order:
+        for b in range(backward):
+            mine = [m for m, partner in runs if partner == b]
+            waits_for.update({(m, b): mine[k - parts.prefetch] for k, m in enumerate(mine) if k >= parts.prefetch})
+    # The replicas are simulated in rounds: a ship-mode forward depends on its partner's progress (prefetch), so
+    # alternate until every time is known.
+    pending_fwd = [[(m, b, s) for (m, b) in runs for s in range(forward_stages)] for runs in order]
+    pending_bwd = {b: [(m, s) for m in range(microbatches) for s in reversed(range(stages))] for b in range(backward)}
     progress = True
-    while progress and (pending_fwd or any(pending_bwd.values())):
+    while progress and (any(pending_fwd) or any(pending_bwd.values())):
         progress = False
-        while pending_fwd:
-            m, b, s = pending_fwd[0]
-            ready = 0.0 if s == 0 else fwd_done[(m, b, s - 1)] + parts.transfer_s(parts.input_bytes[s - 1])
-            if ship and m >= parts.prefetch:
-                key = (m - parts.prefetch, b, s)
-                if key not in bwd_started:
-                    break
-                ready = max(ready, bwd_started[key])
-            start = max(fwd_free[s], ready)
-            fwd_free[s] = fwd_done[(m, b, s)] = start + parts.forward_s[s]
-            pending_fwd.pop(0)
-            progress = True
-        for b in range(served):
+        for f, queue in enumerate(pending_fwd):
+            while queue:
+                m, b, s = queue[0]
+                ready = 0.0 if s == 0 else fwd_done[(m, b, s - 1)] + parts.transfer_s(parts.input_bytes[s - 1])
+                if ship and (m, b) in waits_for:
+                    key = (waits_for[(m, b)], b, s)
+                    if key not in bwd_started:
+                        break
+                    ready = max(ready, bwd_started[key])
+                start = max(fwd_free[f][s], ready)
+                fwd_free[f][s] = fwd_done[(m, b, s)] = start + parts.forward_s[s]
+                queue.pop(0)
+                progress = True
+        for b in range(backward):
             queue = pending_bwd[b]
             while queue:
                 m, s = queue[0]
@@ -100,7 +115,7 @@ def predict(parts: Parts) -> float:
                 bwd_free[b][s] = bwd_done[(m, b, s)] = backward_start + parts.backward_s[s]
                 queue.pop(0)
                 progress = True
-    if pending_fwd or any(pending_bwd.values()):
+    if any(pending_fwd) or any(pending_bwd.values()):
         raise AssertionError("the performance model's dependencies did not resolve (a bug in the model)")
     return max(max(bwd_done.values()), max(fwd_done.values(), default=0.0)) + parts.sync_s
 
@@ -109,8 +124,8 @@ def describe(parts: Parts, predicted_s: float) -> str:
     """The start-up table: the measured parts per stage and the predicted step."""
     ms = 1e3
     lines = [
-        f"MegaFBD performance model ({parts.mode}, {parts.microbatches} microbatches, one forward replica serves "
-        f"{parts.served} backward replica(s))",
+        f"MegaFBD performance model ({parts.mode}, {parts.microbatches} microbatches, {parts.forward_replicas} "
+        f"forward replica(s) : {parts.backward_replicas} backward replica(s))",
         f"  link: {parts.latency_s * 1e6:.0f} µs + {parts.bandwidth / 1e9:.1f} GB/s",
         "  stage  forward ms  recompute ms (host)  backward ms  shipped MB/microbatch",
     ]

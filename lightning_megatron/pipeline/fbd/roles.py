@@ -2,8 +2,11 @@
 
 The job keeps megatron-core's layout (TP × PP × DP, every rank one process and one GPU); the split is over the
 data-parallel replicas. The last ``forward_replicas`` replicas run forwards only; the first ``B = DP − F`` run the
-backwards, read the data (the sampler shards it ``B`` ways) and own the loss. Backward replica ``b`` is fed by
-forward replica ``b mod F``, so one forward replica serves ``⌈B / F⌉`` backward replicas at most (the ratio).
+backwards, read the data (the sampler shards it ``B`` ways) and own the loss. A step's microbatches are dealt to the
+forward replicas round-robin, microbatch by microbatch: microbatch ``m`` of backward replica ``b`` is slot
+``m·B + b``, run by forward replica ``(m·B + b) mod F``. With ``F`` dividing ``B`` that is forward replica
+``b mod F`` for all of ``b``'s microbatches (1:2, 1:3); with more forward replicas than backward ones (3:1, for
+forward-heavy work) a backward replica's microbatches come from several forward replicas in turn, so none idles.
 
 Forward replicas stay data-parallel replicas: they take part in the gradient reduction with zero gradients and
 zero tokens (exact, because the strategy scales gradients by the global token count, not by the replica count)
@@ -23,7 +26,13 @@ from megatron.core import parallel_state
 
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["Roles", "check_replicas", "data_shard"]
+__all__ = ["Roles", "check_replicas", "data_shard", "dealt_to"]
+
+
+def dealt_to(backward_replica: int, microbatch: int, backward_replicas: int, forward_replicas: int) -> int:
+    """Which forward replica (0 to ``F − 1``, counted among the forward replicas) runs ``microbatch`` of
+    ``backward_replica``: slot ``m·B + b``, dealt round-robin (module docstring)."""
+    return (microbatch * backward_replicas + backward_replica) % forward_replicas
 
 
 def check_replicas(forward_replicas: int, data_parallel: int) -> None:
@@ -87,13 +96,29 @@ class Roles:
     def is_forward(self) -> bool:
         return self.replica >= self.backward_replicas
 
-    def feeder(self, backward_replica: int) -> int:
-        """The forward replica (data-parallel index) that serves ``backward_replica``."""
-        return self.backward_replicas + backward_replica % self.forward_replicas
+    def feeder(self, backward_replica: int, microbatch: int) -> int:
+        """The forward replica (data-parallel index) that runs ``microbatch`` of ``backward_replica``."""
+        return self.backward_replicas + dealt_to(
+            backward_replica, microbatch, self.backward_replicas, self.forward_replicas
+        )
 
-    def served(self) -> list[int]:
-        """A forward replica's backward replicas, in the order it runs their microbatches."""
-        return [b for b in range(self.backward_replicas) if self.feeder(b) == self.replica]
+    def feeders(self, backward_replica: int) -> list[int]:
+        """Every forward replica that runs some microbatch of ``backward_replica`` (the slots repeat every
+        ``F`` microbatches)."""
+        return sorted({self.feeder(backward_replica, m) for m in range(self.forward_replicas)})
+
+    def partners(self) -> list[int]:
+        """A forward replica's backward replicas: those with a microbatch it runs."""
+        return [b for b in range(self.backward_replicas) if self.replica in self.feeders(b)]
+
+    def assigned(self, microbatches: int) -> list[tuple[int, int]]:
+        """A forward replica's ``(microbatch, backward replica)`` pairs of a step, in the order it runs them."""
+        return [
+            (m, b)
+            for m in range(microbatches)
+            for b in range(self.backward_replicas)
+            if self.feeder(b, m) == self.replica
+        ]
 
     def rank(self, replica: int, stage: int) -> int:
         """The global rank at ``(replica, stage)`` with this rank's tensor-parallel index."""

@@ -3,9 +3,9 @@
 A :class:`FbdSession` lives for one fit. Each training step (see :mod:`~lightning_megatron.pipeline.fbd.roles`
 for who is who):
 
-* every backward rank sends its step's microbatches (the tensors of each) to its feeder, the forward rank at the
-  same stage and tensor rank, which runs them: stage after stage along the forward replica's pipeline, one
-  partner's microbatch after another's;
+* every backward rank sends each microbatch of its step (the tensors of it) to that microbatch's feeder, the
+  forward rank at the same stage and tensor rank of the forward replica that runs it (``Roles.feeder``), which
+  runs them: stage after stage along the forward replica's pipeline, one partner's microbatch after another's;
 * ``recompute`` mode: the forward runs without autograd; forward stage ``s``'s output (the input of stage
   ``s + 1``) goes to backward stage ``s + 1``, with the RNG state it ran under when the model has dropout, so
   the recompute draws the forward's masks (the last stage's forward is skipped, as nobody needs its output,
@@ -213,7 +213,6 @@ class FbdSession:
                 step.bytes.get(DATA, 0.0),
                 step.bytes.get(GRADIENT, 0.0),
                 sum(clock.syncs) / max(len(clock.syncs), 1),
-                float(len(roles.served()) if roles.is_forward else 0),
                 self.link[0],
                 self.link[1] if self.link[1] != float("inf") else 0.0,
                 clock.mean_host("recompute"),
@@ -233,11 +232,12 @@ class FbdSession:
             return values
 
         sync = [r[8] for r in rows if not r[0]]
-        links = [(r[10], r[11]) for r in rows if not r[0] and r[11] > 0]
+        links = [(r[9], r[10]) for r in rows if not r[0] and r[10] > 0]
         self.parts = Parts(
             mode=self.options.mode,
             microbatches=step.num_microbatches,
-            served=int(max(r[9] for r in rows)),
+            backward_replicas=roles.backward_replicas,
+            forward_replicas=roles.forward_replicas,
             prefetch=self.options.prefetch,
             forward_s=per_stage(True, 2),
             recompute_s=per_stage(False, 3),
@@ -249,7 +249,7 @@ class FbdSession:
             bandwidth=min((bw for _, bw in links), default=float("inf")),
             sync_s=max(sync) if sync else 0.0,
             forward_stages=self.forward_stages,
-            recompute_host_s=per_stage(False, 12),
+            recompute_host_s=per_stage(False, 11),
         )
         self.prediction = predict(self.parts)
         if self.options.report and dist.get_rank() == 0:
@@ -375,25 +375,27 @@ class _Step:
         grad_sync = GradSync(self.config, [self.model], self.num_microbatches, False)
         grad_sync.disable()
         if self.runs_forward:
-            served = roles.served()
+            assigned = roles.assigned(self.num_microbatches)
             template = self.microbatches.items[0]
             leaves, spec = tree_flatten(template)
-            slots = {b: [None] * self.num_microbatches for b in served}
-            streams = {b: type(self.microbatches)(slots[b]) for b in served}
+            slots = {b: [None] * self.num_microbatches for b in roles.partners()}
+            streams = {b: type(self.microbatches)(slots[b]) for b in slots}
+            ran: dict[int, list[int]] = {b: [] for b in slots}  # each partner's microbatches run here so far
             parameters = list(self.model.parameters())
-            for m in range(self.num_microbatches):
-                for b in served:
-                    if self.ship and m >= self.session.options.prefetch:
-                        self._recv(b, stage, CREDIT, b, m - self.session.options.prefetch)
-                    item = [
-                        self._recv(b, stage, ITEM, b, m, i) if isinstance(leaf, torch.Tensor) else leaf
-                        for i, leaf in enumerate(leaves)
-                    ]
-                    slots[b][m] = tree_unflatten(item, spec)
-                    self._forward_one(b, m, streams[b], parameters)
-                    # Let go of what has been sent: a send keeps its tensor (a whole bundle in ship mode) until
-                    # someone asks whether it is done.
-                    self.transport.sends_done(self.step)
+            prefetch = self.session.options.prefetch
+            for m, b in assigned:
+                if self.ship and len(ran[b]) >= prefetch:  # at most `prefetch` of this partner's bundles ahead
+                    self._recv(b, stage, CREDIT, b, ran[b][-prefetch])
+                item = [
+                    self._recv(b, stage, ITEM, b, m, i) if isinstance(leaf, torch.Tensor) else leaf
+                    for i, leaf in enumerate(leaves)
+                ]
+                slots[b][m] = tree_unflatten(item, spec)
+                self._forward_one(b, m, streams[b], parameters)
+                ran[b].append(m)
+                # Let go of what has been sent: a send keeps its tensor (a whole bundle in ship mode) until
+                # someone asks whether it is done.
+                self.transport.sends_done(self.step)
         self._finish(grad_sync, torch.zeros([], dtype=torch.int, device=self.device))
         return []
 
@@ -431,19 +433,19 @@ class _Step:
 
     def run_backward(self) -> list:
         roles, stage, b = self.roles, self.roles.stage, self.roles.replica
-        feeder = roles.feeder(b)
         self.transport.begin_step(self.step)
         if self.runs_forward:
             for m, item in enumerate(self.microbatches.items):
                 leaves, _ = tree_flatten(item)
                 for i, leaf in enumerate(leaves):
                     if isinstance(leaf, torch.Tensor):
-                        self._send(feeder, stage, ITEM, b, m, leaf, i)
+                        self._send(roles.feeder(b, m), stage, ITEM, b, m, leaf, i)
         grad_sync = GradSync(self.config, [self.model], self.num_microbatches, False)
         grad_sync.disable()
         tokens = torch.zeros([], dtype=torch.int, device=self.device)
         records: list = []
         for m in range(self.num_microbatches):
+            feeder = roles.feeder(b, m)
             store: list = []
             start = self.clock.mark()
             if self.ship:

@@ -49,7 +49,7 @@ def peers(roles: Roles, mode: str, forward_stages: int) -> set[int]:
     peers: set[int] = set()
     if roles.is_forward:
         if stage < forward_stages:
-            for b in roles.served():
+            for b in roles.partners():
                 peers.add(roles.rank(b, stage))
                 if not ship and stage + 1 < stages:
                     peers.add(roles.rank(b, stage + 1))
@@ -58,11 +58,11 @@ def peers(roles: Roles, mode: str, forward_stages: int) -> set[int]:
             if stage + 1 < forward_stages:
                 peers.add(roles.rank(roles.replica, stage + 1))
     else:
-        feeder = roles.feeder(roles.replica)
-        if stage < forward_stages:
-            peers.add(roles.rank(feeder, stage))
-        if not ship and stage > 0:
-            peers.add(roles.rank(feeder, stage - 1))
+        for feeder in roles.feeders(roles.replica):
+            if stage < forward_stages:
+                peers.add(roles.rank(feeder, stage))
+            if not ship and stage > 0:
+                peers.add(roles.rank(feeder, stage - 1))
         if stage > 0:
             peers.add(roles.rank(roles.replica, stage - 1))
         if stage < stages - 1:
@@ -74,8 +74,9 @@ def peers(roles: Roles, mode: str, forward_stages: int) -> set[int]:
 def _calibration_partner(
     roles: Roles, backward_replica: int, stage: int, forward_stages: int
 ) -> Optional[tuple[int, int]]:
-    """``(forward replica, stage)`` that backward rank ``(backward_replica, stage)`` times the link against."""
-    feeder = roles.feeder(backward_replica)
+    """``(forward replica, stage)`` that backward rank ``(backward_replica, stage)`` times the link against (the
+    feeder of its first microbatch)."""
+    feeder = roles.feeder(backward_replica, 0)
     if stage < forward_stages:
         return feeder, stage
     if stage > 0:
@@ -88,7 +89,7 @@ def calibrate(roles: Roles, forward_stages: int, transport: Transport, timeout: 
     device = transport.device
     parts = range(len(_CALIBRATION_BYTES) * _CALIBRATION_ROUNDS)
     if roles.is_forward:
-        for b in roles.served():
+        for b in roles.partners():
             for stage in (roles.stage, roles.stage + 1):
                 partner = _calibration_partner(roles, b, stage, forward_stages) if stage < roles.stages else None
                 if partner == (roles.replica, roles.stage):

@@ -1,4 +1,4 @@
-"""The evaluation's scoring (``benchmarks/megascan_eval.score``) and its host record (``benchmarks/host_usage``):
+"""The evaluation's scoring (``benchmarks/megascan_score.score``) and its host record (``benchmarks/host_usage``):
 a fault's slowdown is measured against the clean runs of its own launch (machines of one session differ), and
 a clean run's suspect is checked against the host probe of the rank it names."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import megascan_eval  # noqa: E402
+import megascan_score  # noqa: E402
 from host_usage import HostUsage  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def test_a_faults_slowdown_is_against_the_clean_runs_of_its_launch():
         _run("clean", 2, 2, 150.0),
         _run("gpu-contention", 2, 2, 150.0),
     ]
-    entry = megascan_eval.score(records)["gpu-contention"]
+    entry = megascan_score.score(records)["gpu-contention"]
     assert entry["job_slowdown"] == 0.2  # the median of the runs' own ratios: 0.2, 0.2, 0.0
     assert entry["recall"] == round(2 / 3, 3)
 
@@ -43,13 +43,13 @@ def test_records_without_a_launch_share_one_baseline():
     records = [_run("clean", 0, 0, 100.0), _run("slow-loader", 0, 0, 130.0, [{"rank": 0, "kind": "data"}])]
     for record in records:
         del record["launch"]
-    assert megascan_eval.score(records)["slow-loader"]["job_slowdown"] == 0.3
+    assert megascan_score.score(records)["slow-loader"]["job_slowdown"] == 0.3
 
 
 def test_a_clean_suspect_is_set_beside_its_ranks_host_probe():
     hosts = [{"probe_ms": 1.2}, {"probe_ms": 1.0}]
     records = [_run("clean", 0, 0, 100.0, [{"rank": 0, "kind": "host"}], hosts=hosts)]
-    assert megascan_eval.score(records)["clean"]["suspect_probe_ratios"] == [1.2]
+    assert megascan_score.score(records)["clean"]["suspect_probe_ratios"] == [1.2]
 
 
 def test_host_usage_records_each_step_and_summarises_the_traced_ones():
