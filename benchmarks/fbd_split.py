@@ -14,7 +14,8 @@ step time of ``strategy.forward_backward``):
   backward replicas replay the graph without its GEMMs and run the backward.
 
 For each rank-split case: throughput relative to ``dpN`` (samples per second), and the session's performance
-model (measured parts of the second and third steps, composed) against the measured median: the check is |error| ≤ 10%.
+model (measured parts of the second and third steps, composed) against the measured median: the check is
+|error| ≤ 10%.
 """
 
 from __future__ import annotations

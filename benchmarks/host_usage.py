@@ -6,7 +6,8 @@ Why: on a host-bound job, a rank whose Python runs slower holds the other ranks 
 ``host``. In a clean run nothing was injected, so the evaluation has to tell whether that rank's host really was
 slower (the probe: the same fixed work took longer on its CPU) or was kept off its CPU (preemption, steal), and
 on which CPUs. The main thread's CPU time alone cannot say it: the backward pass runs on autograd's own thread,
-and a rank that waits for its peer spins in ``synchronize`` (CPU time without work). Linux only (``/proc``); elsewhere every field is ``None``.
+and a rank that waits for its peer spins in ``synchronize`` (CPU time without work). Linux only (``/proc``);
+elsewhere every field is ``None``.
 """
 
 from __future__ import annotations

@@ -43,12 +43,13 @@ each side of a halfway onset).
 Scoring (``score``): a fault *slows the job* when its runs' step times (from one step's end to the next, the
 fetch included) are in the median ≥ 10% above the clean runs' of the same launch (``--append`` joins launches
 on different machines, whose clean steps differed by up to 20%). For those, recall is the fraction of runs
-naming the faulted rank (for the link: its sender) with an expected kind. A fault below that bar may be named rightly (it does cost
-time: the mild loader about 2% of a step) and is counted apart (``runs_naming_it_rightly``); any other suspect
-of a faulted run is a wrong one (``runs_with_a_wrong_suspect``). Precision: right suspects over all suspects of
-the case's runs. Clean runs must name nothing. Every run's suspects are kept, so what was named is visible, and
-so is what each rank's host did (``hosts``: ``host_usage.HostUsage``, a fixed CPU probe after every step and the
-main thread's CPU time), a check independent of MegaScan on a ``host`` suspect where nothing was injected.
+naming the faulted rank (for the link: its sender) with an expected kind. A fault below that bar may be named
+rightly (it does cost time: the mild loader about 2% of a step) and is counted apart
+(``runs_naming_it_rightly``); any other suspect of a faulted run is a wrong one (``runs_with_a_wrong_suspect``).
+Precision: right suspects over all suspects of the case's runs. Clean runs must name nothing. Every run's
+suspects are kept, so what was named is visible, and so is what each rank's host did (``hosts``:
+``host_usage.HostUsage``, a fixed CPU probe after every step and the main thread's CPU time), a check independent
+of MegaScan on a ``host`` suspect where nothing was injected.
 """
 
 from __future__ import annotations
