@@ -112,10 +112,36 @@ def rescore(result: dict[str, Any], traces: Path) -> dict[str, Any]:
 
 
 def suspect_record(s: Any) -> dict[str, Any]:
+    """A suspect as a result keeps it: who, what, how much, by which rule, and the rule's and the attribution's
+    numbers (``evidence``: scalars and short lists), so a wrong suspect can be read without the run's traces."""
     return {
         "rank": s.rank,
         "kind": s.kind,
         "slowdown": s.slowdown,
         "impact_ms": round(s.impact_ms, 3),
         "rule": s.evidence.get("rule", "per-op medians"),
+        "evidence": _plain(s.evidence),
     }
+
+
+_LEFT_OUT = object()  # a value too large, or of no JSON kind, for a result file
+
+
+def _plain(evidence: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-sized part of a suspect's evidence: numbers (floats to 4 places), strings, and lists or dicts of
+    up to 16 such items; the rest (per-op tables, arrays) is left out."""
+    out = {str(k): _plain_value(v) for k, v in evidence.items() if k != "rule"}
+    return {k: v for k, v in out.items() if v is not _LEFT_OUT}
+
+
+def _plain_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, (list, tuple)) and len(value) <= 16:
+        items = [_plain_value(v) for v in value]
+        return _LEFT_OUT if any(v is _LEFT_OUT for v in items) else items
+    if isinstance(value, dict) and len(value) <= 16:
+        return _plain(value)
+    return _LEFT_OUT

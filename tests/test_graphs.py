@@ -64,6 +64,50 @@ def test_cuda_graphs_unset_stay_off_on_cpu_and_pipeline_layouts_are_accepted(ran
     assert out == {"no_graph": True, "fused_accumulation": False, "steps": 1}
 
 
+def _swapped_session_fit() -> dict[str, Any]:
+    """A benchmark's cases, as ``benchmarks/fbd_split.py`` runs them: schedule sessions swapped into the strategy
+    before the fit's steps. The step graph is a real one that stays in its warm-up (no capture on CPU), so it counts
+    the steps it was given."""
+    import lightning.pytorch as pl
+
+    from lightning_megatron.pipeline import get_schedule
+    from lightning_megatron.pipeline.registry import ScheduleContext
+
+    graph = StepGraph(warmup_steps=100, strict=False)
+    counted: dict[str, int] = {}
+
+    class SwapSessions(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            strategy = trainer.strategy
+            strategy._steps.graph = graph
+            batch = strategy.batch_to_device(next(iter(trainer.datamodule.train_dataloader())))
+            for name in ("first", "second"):
+                entry = get_schedule("1f1b")
+                old, strategy._steps.session = (
+                    strategy._steps.session,
+                    entry.open(ScheduleContext(entry.options({}), strategy.root_device, 60.0)),
+                )
+                for _ in range(2):
+                    strategy.forward_backward(batch)
+                strategy._steps.session.close()
+                strategy._steps.session = old
+                counted[name] = graph._eager_steps
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            counted["after_the_fit_step"] = graph._eager_steps  # before the fit's end closes the graph
+
+    out = cases.fit_gpt(1, steps=1, callbacks=[SwapSessions()])
+    return {**counted, "steps": len(out["loss"])}
+
+
+def test_a_step_graph_serves_only_the_session_it_started_with(ranks: Any) -> None:
+    """A graph holds one schedule session's work: with another session swapped in (a benchmark's next case), or
+    the fit's own session opened after a benchmark's, steps run eagerly, never as a replay of the first session's
+    step (which had every case of the 4-GPU rank-split benchmark replay its data-parallel baseline)."""
+    (out,) = ranks.run(1, _swapped_session_fit)
+    assert out == {"first": 2, "second": 2, "after_the_fit_step": 2, "steps": 1}, out
+
+
 class _OwnStep(GPTModule):
     def forward_step(self, batch: Any, chunk: torch.nn.Module) -> Any:  # no promise made here
         return super().forward_step(batch, chunk)

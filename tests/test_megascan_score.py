@@ -65,3 +65,22 @@ def test_host_usage_records_each_step_and_summarises_the_traced_ones():
     assert summary["main_thread_cpu_ms"] <= summary["step_wall_ms"] * 1.05
     if sys.platform == "linux":
         assert summary["cpus"] and summary["preempted_per_step"] is not None
+
+
+def test_a_suspects_record_keeps_its_evidence_as_json(tmp_path):
+    """A result keeps each suspect's rule numbers and attribution, so a wrong suspect of a GPU run can be read
+    later without the run's traces (the 4-GPU runs of 2026-11-27 kept neither)."""
+    import json
+    import warnings
+
+    from lightning_megatron.scan.detect import detect
+    from lightning_megatron.scan.synthetic import generate_traces
+
+    generate_traces(tmp_path, dp=2, pp=1, tp=1, steps=10, slow_ranks={1: 1.3}, slow_host={0: 1.5}, gpu_busy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = detect(tmp_path)
+    records = [megascan_score.suspect_record(s) for s in report.suspects]
+    assert records and all(isinstance(r["evidence"], dict) and r["evidence"] for r in records), records
+    assert json.loads(json.dumps(records)) == records  # plain JSON, nothing left that would not round-trip
+    assert all("rule" not in r["evidence"] for r in records)  # the rule has its own field

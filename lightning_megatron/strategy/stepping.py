@@ -54,6 +54,7 @@ class StepRunner:
         self.micro_batch_size, self.layout, self.timeout = micro_batch_size, layout, timeout
         self.session: Optional[ScheduleSession] = None
         self.graph: Optional[StepGraph] = None
+        self._graphed_session: Optional[ScheduleSession] = None  # the session whose steps the graph holds
         self.listeners: list[StepListener] = []
         self._p2p_messages: Optional[megatron_p2p.P2PMessages] = None  # while a listener of the user's exists
 
@@ -112,12 +113,15 @@ class StepRunner:
             )
 
         graph = None if forward_only else self.graph
+        if graph is not None and self._graphed_session not in (None, session):
+            graph = None  # another session swapped in (a benchmark's cases): the graph holds the first one's work
         if graph is not None and not all(getattr(listener, "graph_safe", False) for listener in watching):
             graph.note_eager_step(
                 "a step listener that is not graph-safe (MegaScope, a fault injector, MegaScan's traced steps at "
                 "TP/DP) looks into this step"
             )
         elif graph is not None:  # e.g. MegaScan in a one-process fit: its events are graph nodes, it traces replays
+            self._graphed_session = session
             try:
                 return graph(step, microbatches, watching, key=tuple(map(id, watching)))
             except StepNotRun:  # automatic graphs gave up during the capture (warned): run this step eagerly
@@ -132,6 +136,7 @@ class StepRunner:
         if self.session is not None:
             self.session.close()
             self.session = None
+        self._graphed_session = None
         self._p2p_messages = megatron_p2p.follow(self.listeners, self._p2p_messages, active=False)
 
 
