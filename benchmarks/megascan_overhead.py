@@ -2,6 +2,7 @@
 
     python benchmarks/megascan_overhead.py --out benchmarks/results/megascan.json            # 1 and 4 GPUs
     python benchmarks/megascan_overhead.py --cpu-dry-run --out /tmp/megascan.json           # plumbing only
+    python benchmarks/megascan_overhead.py --only overhead --layout dp-tp2-pp2 --out OUT.json  # 8 GPUs: DP2 x TP2 x PP2
 
 * Overhead (1 GPU and all GPUs, DP × PP): the same training alternates between no callback,
   ``MegaScan(interval=1, window=1, granularity="stage")`` (every step traced; GPU busy time measured in every
@@ -61,6 +62,11 @@ GPU_MODELS["llama"] = dict(
 MICRO_BATCH = {"small": 4, "medium": 2, "llama": 2}
 CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, num_attention_heads=4)
 FACTORS = [1.1, 1.2, 1.5]
+MULTI_GPU_LAYOUTS: dict[str, dict[str, int]] = {  # the overhead's all-GPU fit (--layout)
+    "dp-pp2": {"pipeline_model_parallel_size": 2},
+    "dp": {},
+    "dp-tp2-pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+}
 OVERHEAD_CASES = (  # the *_default_graphs ones on one GPU only
     "plain",
     "traced",
@@ -295,6 +301,13 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=["overhead", "detection"])
     parser.add_argument("--cases", nargs="*", choices=OVERHEAD_CASES, help="overhead: only these cases")
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium", help="GPU model size")
+    parser.add_argument(
+        "--layout",
+        choices=sorted(MULTI_GPU_LAYOUTS),
+        default="dp-pp2",
+        help="overhead on all GPUs: data parallel over what the model-parallel part leaves (8 GPUs: dp-pp2 is "
+        "DP4 x PP2, dp is DP8, dp-tp2-pp2 is DP2 x TP2 x PP2 with sequence parallelism)",
+    )
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU processes (gloo)")
     parser.add_argument("--keep-traces", type=Path, help="also write the detection runs' traces here (.tar.gz)")
     args = parser.parse_args()
@@ -313,6 +326,7 @@ def main() -> int:
     }
     report: dict[str, Any] = {"what": "MegaScan overhead and slow-rank detection", **provenance(), **base}
     report["results"] = {}
+    report["multi_gpu_layout"] = args.layout
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -321,8 +335,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as workdir:
         if "overhead" in args.only:
             for devices in sorted({1, gpus}):
-                layout = {} if devices == 1 else {"pipeline_model_parallel_size": 2}
-                dp = devices // (2 if layout else 1)
+                layout = {} if devices == 1 else dict(MULTI_GPU_LAYOUTS[args.layout])
+                if layout.get("tensor_model_parallel_size", 1) > 1:
+                    layout["sequence_parallel"] = True
+                model_parallel = layout.get("pipeline_model_parallel_size", 1) * layout.get(
+                    "tensor_model_parallel_size", 1
+                )
+                if devices % model_parallel:
+                    raise SystemExit(f"--layout {args.layout} needs a multiple of {model_parallel} GPUs, not {devices}")
+                dp = devices // model_parallel
                 spec = {
                     **base,
                     "phase": "overhead",
