@@ -100,7 +100,6 @@ def worker(
     from lightning_megatron.data import SyntheticTokenDataModule
     from lightning_megatron.models import GPTModule
     from lightning_megatron.pipeline import get_schedule
-    from lightning_megatron.pipeline.registry import ScheduleContext
     from lightning_megatron.pipeline.wgrad import split_linears
     from lightning_megatron.scan.inject import SlowdownInjector
 
@@ -131,11 +130,6 @@ def worker(
             strategy = trainer.strategy
             batch = strategy.batch_to_device(next(iter(trainer.datamodule.train_dataloader())))
 
-            def session(schedule: str, options: dict[str, Any]) -> Any:
-                entry = get_schedule(schedule)
-                parsed = entry.options({"transport": "shm", **options}) if entry.parse_options else None
-                return entry.open(ScheduleContext(parsed, strategy.root_device, 600.0))
-
             def run_case(case: dict[str, Any], steps: int, seed: int = 0) -> list[float]:
                 options = dict(case["options"])
                 if "link_delay" in case:  # one seed per round: every schedule meets the same draws
@@ -144,27 +138,28 @@ def worker(
                 if "slow_rank" in case:
                     injector = SlowdownInjector([case["slow_rank"]], case["factor"])
                     injector.setup(trainer, pl_module, "fit")
-                old, strategy._steps.session = strategy._steps.session, session(case["schedule"], options)
+                if get_schedule(case["schedule"]).parse_options:
+                    options = {"transport": "shm", **options}
                 # gradient_accumulation_fusion for this case only (what the strategy's argument installs)
                 fused = split_linears(strategy.wrapped_chunks) if case.get("fused_wgrad") else None
                 times = []
                 try:
-                    for _ in range(steps):
-                        sync()
-                        start = time.perf_counter()
-                        out = strategy.forward_backward(batch)
-                        sync()
-                        times.append(time.perf_counter() - start)
-                        losses.setdefault(f"{case['condition']}/{case.get('name', 'calibration')}", float(out.loss))
-                    learned = getattr(strategy._steps.session, "policy", None)
-                    if getattr(learned, "forward_s", None):
-                        timings["forward_s"] = learned.forward_s
-                        timings["backward_s"] = learned.backward_s
+                    with strategy.using_schedule(case["schedule"], options or None) as session:
+                        for _ in range(steps):
+                            sync()
+                            start = time.perf_counter()
+                            out = strategy.forward_backward(batch)
+                            sync()
+                            times.append(time.perf_counter() - start)
+                            key = f"{case['condition']}/{case.get('name', 'calibration')}"
+                            losses.setdefault(key, float(out.loss))
+                        learned = getattr(session, "policy", None)
+                        if getattr(learned, "forward_s", None):
+                            timings["forward_s"] = learned.forward_s
+                            timings["backward_s"] = learned.backward_s
                 finally:
                     if fused is not None:
                         fused.restore()
-                    strategy._steps.session.close()
-                    strategy._steps.session = old
                     if injector is not None:
                         injector.teardown(trainer, pl_module, "fit")
                 return times

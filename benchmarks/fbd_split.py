@@ -47,9 +47,7 @@ def split_worker(args: argparse.Namespace) -> None:
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data import SyntheticTokenDataModule
     from lightning_megatron.models import GPTModule
-    from lightning_megatron.pipeline import get_schedule
     from lightning_megatron.pipeline.fbd.perfmodel import describe
-    from lightning_megatron.pipeline.registry import ScheduleContext
 
     on_cpu = args.cpu_dry_run or args.cpu
     shape = MODEL_TINY if args.cpu_dry_run else MODEL_CPU if args.cpu else MODEL_1_3B
@@ -84,31 +82,19 @@ def split_worker(args: argparse.Namespace) -> None:
             batch = strategy.batch_to_device(next(iter(trainer.datamodule.train_dataloader())))
 
             def run_case(case: dict[str, Any], steps: int) -> list[float]:
-                entry = get_schedule(case["schedule"])
-                options = (
-                    entry.options({"transport": "shm", "report": False, **case["options"]})
-                    if case["options"] is not None
-                    else None
-                )
-                old, strategy._steps.session = (
-                    strategy._steps.session,
-                    entry.open(ScheduleContext(options, strategy.root_device, 600.0)),
-                )
+                options = None if case["options"] is None else {"transport": "shm", "report": False, **case["options"]}
                 times = []
-                try:
+                with strategy.using_schedule(case["schedule"], options) as session:
                     for _ in range(steps):
                         sync()
                         start = time.perf_counter()
                         strategy.forward_backward(batch)
                         sync()
                         times.append(time.perf_counter() - start)
-                    prediction = getattr(strategy._steps.session, "prediction", None)
+                    prediction = getattr(session, "prediction", None)
                     if prediction is not None:
                         predictions.setdefault(case["name"], []).append(prediction)
-                        models[case["name"]] = describe(strategy._steps.session.parts, prediction)
-                finally:
-                    strategy._steps.session.close()
-                    strategy._steps.session = old
+                        models[case["name"]] = describe(session.parts, prediction)
                 return times
 
             for round_ in range(args.rounds):

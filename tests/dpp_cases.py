@@ -10,8 +10,6 @@ import torch
 from cases import fit_gpt
 
 from lightning_megatron import MegatronAppStrategy
-from lightning_megatron.pipeline.dpp.options import parse_options
-from lightning_megatron.pipeline.registry import ScheduleContext
 
 
 def _main_grads(strategy: MegatronAppStrategy) -> dict[str, torch.Tensor]:
@@ -80,23 +78,17 @@ class _Experiments(pl.Callback):
         batch = next(iter(trainer.datamodule.train_dataloader()))
         batch = strategy.batch_to_device(batch)
         for run in self.runs:
-            options = parse_options(run)
-            old = strategy._steps.session
-            strategy._steps.session = strategy.schedule.open(ScheduleContext(options, strategy.root_device, 60.0))
-            try:
+            with strategy.using_schedule("dpp", run) as session:
                 out = strategy.forward_backward(batch)
                 self.results.append(
                     {
                         "run": run,
                         "loss": float(out.loss),
                         "grads": _main_grads(strategy),
-                        "order": [str(t) for t in strategy._steps.session.last_order],
-                        "peak": strategy._steps.session.last_peak,
+                        "order": [str(t) for t in session.last_order],
+                        "peak": session.last_peak,
                     }
                 )
-            finally:
-                strategy._steps.session.close()
-                strategy._steps.session = old
         trainer.should_stop = True
 
 

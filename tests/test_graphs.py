@@ -65,13 +65,10 @@ def test_cuda_graphs_unset_stay_off_on_cpu_and_pipeline_layouts_are_accepted(ran
 
 
 def _swapped_session_fit() -> dict[str, Any]:
-    """A benchmark's cases, as ``benchmarks/fbd_split.py`` runs them: schedule sessions swapped into the strategy
-    before the fit's steps. The step graph is a real one that stays in its warm-up (no capture on CPU), so it counts
+    """A benchmark's cases, as ``benchmarks/fbd_split.py`` runs them: other schedule sessions
+    (``strategy.using_schedule``) before the fit's steps. The step graph is a real one that stays in its warm-up (no capture on CPU), so it counts
     the steps it was given."""
     import lightning.pytorch as pl
-
-    from lightning_megatron.pipeline import get_schedule
-    from lightning_megatron.pipeline.registry import ScheduleContext
 
     graph = StepGraph(warmup_steps=100, strict=False)
     counted: dict[str, int] = {}
@@ -82,15 +79,9 @@ def _swapped_session_fit() -> dict[str, Any]:
             strategy._steps.graph = graph
             batch = strategy.batch_to_device(next(iter(trainer.datamodule.train_dataloader())))
             for name in ("first", "second"):
-                entry = get_schedule("1f1b")
-                old, strategy._steps.session = (
-                    strategy._steps.session,
-                    entry.open(ScheduleContext(entry.options({}), strategy.root_device, 60.0)),
-                )
-                for _ in range(2):
-                    strategy.forward_backward(batch)
-                strategy._steps.session.close()
-                strategy._steps.session = old
+                with strategy.using_schedule("1f1b"):
+                    for _ in range(2):
+                        strategy.forward_backward(batch)
                 counted[name] = graph._eager_steps
 
         def on_train_batch_end(self, *args: Any) -> None:

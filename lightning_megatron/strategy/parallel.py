@@ -3,22 +3,25 @@
 ``ParallelLayout`` is pure data, validated against the world size before any process group is made.
 ``ParallelContext`` is built from megatron-core's ``parallel_state`` after initialization; the
 LightningModule reads it (as ``self.parallel``) to build the model chunks of its own pipeline stage,
-the way Lightning's ``ModelParallelStrategy`` hands modules a ``device_mesh``. ``seed_parallel_rngs``
-seeds the random streams the layout needs, once the groups exist.
+the way Lightning's ``ModelParallelStrategy`` hands modules a ``device_mesh``. ``initialize_parallel_state``
+makes megatron-core's groups for a layout (once per process and layout), and ``seed_parallel_rngs`` seeds the
+random streams the layout needs, once the groups exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from lightning_megatron.compat.megatron import initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["ParallelLayout", "ParallelContext", "StageSpec", "seed_parallel_rngs"]
+__all__ = ["ParallelLayout", "ParallelContext", "StageSpec", "initialize_parallel_state", "seed_parallel_rngs"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,25 @@ class ParallelContext:
             # global token count once, which makes the loss exact across microbatches and replicas.
             "calculate_per_token_loss": True,
         }
+
+
+def initialize_parallel_state(layout: ParallelLayout, timeout: timedelta) -> None:
+    """megatron-core's process groups for ``layout``; kept when they already exist with the same sizes (a later
+    fit or validate in the same process: its model holds these groups)."""
+    if parallel_state.model_parallel_is_initialized():
+        same = (
+            parallel_state.get_tensor_model_parallel_world_size() == layout.tensor
+            and parallel_state.get_pipeline_model_parallel_world_size() == layout.pipeline
+            and parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.virtual_pipeline
+        )
+        if same:
+            return
+    initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
+    )
 
 
 def seed_parallel_rngs(base_seed: int, *, graph_safe: bool) -> None:

@@ -7,12 +7,15 @@ fit's teardown:
 * the step listeners (MegaScan, MegaScope, fault injectors) and what they follow inside megatron-core: its
   timers (``config.timers``, set only while a listener exists, so an unobserved step pays nothing) and its
   pipeline messages (``compat.megatron_p2p``);
-* the step graph, when the fit replays steps (``graph``, set by the strategy's ``setup``).
+* the step graph, when the fit replays steps (``graph``, set by the strategy's ``setup``);
+* for a block (``using``), another schedule in place of the fit's: a benchmark's cases inside one fit.
 
 ``run(...)`` decides per step. A forward-only step, and a step that a listener which is not graph-safe looks
 into, run eagerly (the graph is told why). Any other step of a graphed fit is the graph's: eager warm-up steps,
 then the capture and replays, with the graph-safe listeners told about both. A capture that gave up (automatic
-graphs, warned) did not run the step's work, so the runner clears the gradients and runs it eagerly.
+graphs, warned) did not run the step's work, so the runner clears the gradients and runs it eagerly. A graph holds
+the work of the session it began with: a step under any other session (``using``, or the fit's own after one) runs
+eagerly.
 
 Why a module of its own: the strategy is Lightning's plumbing (processes, setup, collectives, checkpoints);
 choosing how a step runs is a decision with state of its own that outlives each step.
@@ -20,7 +23,8 @@ choosing how a step runs is a decision with state of its own that outlives each 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -75,6 +79,20 @@ class StepRunner:
         for config in _configs(chunks):
             config.timers = TimersDispatcher(self.listeners) if self.listeners else None
 
+    # -- another schedule for a block ---------------------------------------------------------------
+    @contextmanager
+    def using(self, schedule: Schedule, options: Any, device: torch.device) -> Iterator[ScheduleSession]:
+        """Steps inside the block run under ``schedule`` with its parsed ``options`` (a session opened here and
+        closed at the end); then the fit's own schedule and session again."""
+        session = schedule.open(ScheduleContext(options, device, self.timeout.total_seconds()))
+        saved = self.schedule, self.options, self.session
+        self.schedule, self.options, self.session = schedule, options, session
+        try:
+            yield session
+        finally:
+            self.schedule, self.options, self.session = saved
+            session.close()
+
     # -- one step -----------------------------------------------------------------------------------
     def run(
         self,
@@ -114,7 +132,7 @@ class StepRunner:
 
         graph = None if forward_only else self.graph
         if graph is not None and self._graphed_session not in (None, session):
-            graph = None  # another session swapped in (a benchmark's cases): the graph holds the first one's work
+            graph = None  # another session (``using``, a benchmark's cases): the graph holds the first one's work
         if graph is not None and not all(getattr(listener, "graph_safe", False) for listener in watching):
             graph.note_eager_step(
                 "a step listener that is not graph-safe (MegaScope, a fault injector, MegaScan's traced steps at "

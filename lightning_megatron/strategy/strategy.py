@@ -19,7 +19,8 @@ The strategy never patches Lightning. The one private import (the script launche
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -37,7 +38,6 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sync
-from lightning_megatron.compat.megatron import initialize_model_parallel
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
@@ -59,7 +59,12 @@ from lightning_megatron.strategy.graphs import (
 )
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
-from lightning_megatron.strategy.parallel import ParallelContext, ParallelLayout, seed_parallel_rngs
+from lightning_megatron.strategy.parallel import (
+    ParallelContext,
+    ParallelLayout,
+    initialize_parallel_state,
+    seed_parallel_rngs,
+)
 from lightning_megatron.strategy.precision import MegatronPrecision, from_lightning_plugin
 from lightning_megatron.strategy.release import collect_previous_fits, release_training_state
 from lightning_megatron.strategy.step import StepOutput
@@ -286,6 +291,16 @@ class MegatronAppStrategy(ParallelStrategy):
         ``gave_up_because``); else None."""
         return self._steps.graph
 
+    @contextmanager
+    def using_schedule(self, schedule: str, schedule_options: Optional[Mapping[str, Any]] = None) -> Iterator[Any]:
+        """``forward_backward`` inside the block runs ``schedule`` (a registered name, with its own options),
+        then the strategy's own again: schedules compared in one fit, on the same model, batch and processes.
+        Yields the schedule's session (its ``prediction``, ``policy``, ...); a step graph never replays for it."""
+        entry = get_schedule(schedule)
+        entry.validate(pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline)
+        with self._steps.using(entry, entry.options(schedule_options), self.root_device) as session:
+            yield session
+
     @property
     def wrapped_chunks(self) -> list[torch.nn.Module]:
         """The model chunks as the pipeline schedule runs them (precision- and DDP-wrapped)."""
@@ -333,7 +348,7 @@ class MegatronAppStrategy(ParallelStrategy):
             params_dtype=self.precision_plugin.params_dtype,
         )
         self._init_process_group(backend, on_cpu)
-        self._init_parallel_state()
+        initialize_parallel_state(self.layout, self._timeout)
         base_seed = self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 1234))
         seed_parallel_rngs(base_seed, graph_safe=self._graphs)
         self._parallel = ParallelContext(self.layout, self.precision_plugin.params_dtype, on_cpu=on_cpu)
@@ -366,22 +381,6 @@ class MegatronAppStrategy(ParallelStrategy):
         if not on_cpu:
             kwargs["device_id"] = self.root_device
         dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
-
-    def _init_parallel_state(self) -> None:
-        if parallel_state.model_parallel_is_initialized():
-            same = (
-                parallel_state.get_tensor_model_parallel_world_size() == self.layout.tensor
-                and parallel_state.get_pipeline_model_parallel_world_size() == self.layout.pipeline
-                and parallel_state.get_virtual_pipeline_model_parallel_world_size() == self.layout.virtual_pipeline
-            )
-            if same:
-                return  # a later fit/validate in the same process: the model holds these groups
-        initialize_model_parallel(
-            tensor_model_parallel_size=self.layout.tensor,
-            pipeline_model_parallel_size=self.layout.pipeline,
-            virtual_pipeline_model_parallel_size=self.layout.virtual_pipeline,
-            distributed_timeout_minutes=max(1, int(self._timeout.total_seconds() // 60)),
-        )
 
     # -- model setup --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
