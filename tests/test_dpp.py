@@ -22,6 +22,7 @@ from distributed import WorkerGroup
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline.dpp.plan import StagePlan
+from lightning_megatron.scan.inject import SlowdownInjector
 
 TRANSPORT = "shm"  # the default on one node; test_dpp_transports covers the others
 
@@ -319,13 +320,24 @@ def test_zero_bubble_matches_1f1b(ranks: Any, layout: str) -> None:
 
 def test_zero_bubble_within_each_ranks_own_1f1b_memory(ranks: Any) -> None:
     """``weight_grad_memory="own-rank"``: rank r of a 4-stage pipeline holds at most 4 - r activations and pending
-    weight gradients (its own 1F1B peak), where ``"first-rank"`` lets every rank fill up to the first rank's 4."""
+    weight gradients (its own 1F1B peak), where ``"first-rank"`` lets every rank fill up to the first rank's 4.
+
+    A W waits while the rank has work and runs when the rank would idle, so how many pile up depends on whether
+    inputs are there when wanted. In one CI run they were not: the last rank idled after every backward and ran its
+    W there under either rule ("assert 1 > 1"; making rank 2 compute 3x slower fails the same way). Here the last
+    rank computes 3x slower, so its inputs are always waiting and its Ws pile up to the rule's bound, whatever the
+    machine's load."""
     world, strategy = ZB_LAYOUTS["pp4"]
     want = ranks.run(world, dc.fit_recording, world, schedule="1f1b", **strategy)
+    slow_last = [SlowdownInjector([world - 1], 3.0)]
     options = {"weight_grad_memory": "own-rank"}
-    got = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=options, **strategy)
+    got = ranks.run(
+        world, dc.fit_recording, world, callbacks=slow_last, schedule="zb-h1", schedule_options=options, **strategy
+    )
     first = {"weight_grad_memory": "first-rank"}
-    by_first = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=first, **strategy)
+    by_first = ranks.run(
+        world, dc.fit_recording, world, callbacks=slow_last, schedule="zb-h1", schedule_options=first, **strategy
+    )
     for rank in range(world):
         assert_close(got[rank], want[rank], 1e-6, f"zb-h1 own-rank memory, rank {rank}")
         assert_close(by_first[rank], want[rank], 1e-6, f"zb-h1 first-rank memory, rank {rank}")
