@@ -13,7 +13,8 @@ memory or caches. Each reports the median step time over the measured steps (aft
 second, model TFLOP/s per GPU by Megatron-LM's formula (``num_floating_point_operations``), and the peak
 memory of the busiest GPU.
 
-``--variants`` runs the strategy (and raw-loop) runners under several settings in one launch, ``--repeat N`` goes
+``--variants`` runs the strategy (and raw-loop) runners under several settings in one launch (strategy and module
+arguments, ``TransformerConfig`` overrides, environment variables such as NCCL's), ``--repeat N`` goes
 over all cases N times, reversing the order every other round (GPU speed drifts between machines and over
 minutes: ratios are only fair within a launch, and alternation spreads the drift). A run then reports the medians
 over its rounds (each round kept under ``rounds``), and ``ratios_to_<baseline>`` the per-round TFLOP/s ratios to
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -137,7 +139,11 @@ def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
     return 12 * global_batch * s * layers * h * h * (attention + ffn / h * gated + vocab / (2 * layers * h))
 
 
-def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, options: dict[str, Any]) -> dict[str, Any]:
+def _launch(
+    name: str, layout: str, runner: str, model: dict, workdir: Path, options: dict[str, Any], label: str = ""
+) -> dict[str, Any]:
+    """One case in its own processes; ``label`` names its variant (in the profile's heading). The variant's ``env``
+    is added to the processes' environment: NCCL, for one, reads its settings when it starts."""
     gpus, tp, pp = model["layouts"][layout]
     result_dir = Path(tempfile.mkdtemp(prefix=f"{name}-{layout}-{runner}-", dir=workdir))
     spec = {"runner": runner, "model": model, "layout": (gpus, tp, pp), "result_dir": str(result_dir), **options}
@@ -151,11 +157,12 @@ def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, opt
         "--worker-spec",
         json.dumps(spec),
     ]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, **{k: str(v) for k, v in (options.get("env") or {}).items()}}
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     profile = result_dir / "profile.txt"
     if profile.exists():
         with open(options["profile"], "a") as out:
-            out.write(f"\n===== {name}/{layout}/{runner} =====\n{profile.read_text()}\n")
+            out.write(f"\n===== {name}/{layout}/{runner}{label} =====\n{profile.read_text()}\n")
     ranks = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != gpus:
         log = proc.stdout + proc.stderr
@@ -192,15 +199,18 @@ def _launch(name: str, layout: str, runner: str, model: dict, workdir: Path, opt
 
 
 def _takes(runner: str, key: str) -> bool:
-    """Which runners an option applies to: ``overrides`` to the megatron-core ones, the others to the strategy."""
-    return not runner.startswith("hf") if key == "overrides" else runner.startswith("strategy")
+    """Which runners an option applies to: ``overrides`` and ``env`` to the megatron-core ones too, the others to the
+    strategy only."""
+    return not runner.startswith("hf") if key in ("overrides", "env") else runner.startswith("strategy")
 
 
 def _variant_options(options: dict[str, Any], extra: dict[str, Any], runner: str) -> dict[str, Any]:
     """The launch options of one variant: its settings merged over the command line's."""
-    unknown = set(extra) - {"overrides", "strategy_options", "module_options"}
+    unknown = set(extra) - {"overrides", "strategy_options", "module_options", "env"}
     if unknown:
-        raise SystemExit(f"--variants: unknown keys {sorted(unknown)}; use overrides, strategy_options, module_options")
+        raise SystemExit(
+            f"--variants: unknown keys {sorted(unknown)}; use overrides, strategy_options, module_options, env"
+        )
     merged = dict(options)
     for key, value in extra.items():
         merged[key] = {**(options.get(key) or {}), **(value or {})} if _takes(runner, key) else options.get(key)
@@ -266,8 +276,9 @@ def main() -> int:
         "--variants",
         type=json.loads,
         help='strategy/mcore runs under several settings in one launch: {label: {"strategy_options": ..., '
-        '"module_options": ..., "overrides": ...}}, e.g. {"": {}, "-eager": {"strategy_options": '
-        '{"cuda_graphs": false}}}; each on top of the options above; hf runners run once per round',
+        '"module_options": ..., "overrides": ..., "env": {VARIABLE: value}}}, e.g. {"": {}, "-eager": '
+        '{"strategy_options": {"cuda_graphs": false}}, "-simple": {"env": {"NCCL_PROTO": "Simple"}}}; each on top '
+        "of the options above; hf runners run once per round",
     )
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds over every case, the order reversed every other round"
@@ -319,8 +330,8 @@ def main() -> int:
                 for round_index in range(args.repeat):
                     by_run: dict[str, dict[str, Any]] = {}
                     for runner, label, case_options in cases if round_index % 2 == 0 else cases[::-1]:
-                        result = _launch(name, layout, runner, model, Path(tmp), case_options)
-                        for key in ("overrides", "strategy_options", "module_options"):
+                        result = _launch(name, layout, runner, model, Path(tmp), case_options, label)
+                        for key in ("overrides", "strategy_options", "module_options", "env"):
                             if case_options.get(key) and _takes(runner, key):
                                 result[key] = case_options[key]
                         run = f"{name}/{layout}/{runner}{label}"

@@ -39,7 +39,7 @@ def fit_recording(world_size: int, steps: int = 3, callbacks: Optional[list] = N
 
     class Order(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            session = trainer.strategy._steps.session
+            session = trainer.strategy.schedule_session
             order[:] = [str(t) for t in getattr(session, "last_order", [])]
             sequence[:] = list(getattr(session, "last_sequence", []))
             held[:] = [getattr(session, "last_peak_held", None)]
@@ -58,7 +58,7 @@ def fit_recording_with_allowance(world_size: int, fraction: float, **strategy: A
 
     class Allowance(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            session = trainer.strategy._steps.session
+            session = trainer.strategy.schedule_session
             if session is not None:
                 session.weight_grad_bytes = int(fraction * session.last_weight_grad_bytes)
 

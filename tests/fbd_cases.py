@@ -14,7 +14,7 @@ def fit_with_model(world_size: int, callbacks: Any = (), **strategy: Any) -> dic
 
     class Model(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            session = trainer.strategy._steps.session
+            session = trainer.strategy.schedule_session
             seen["prediction"] = session.prediction
             seen["parts"] = session.parts
             seen["forward"] = session.roles.is_forward

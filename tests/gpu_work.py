@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,7 +86,8 @@ def record(file_name: str, tmp_path: Path, key: str, row: dict[str, Any]) -> Non
 
 def run_script(script: Path, *args: str, timeout: float = 600) -> dict[str, Any]:
     """Run ``script`` (from the repository root) with ``args``; return the JSON of the last line it printed as
-    ``RESULT {json}``. A failure shows the end of its stderr."""
+    ``RESULT {json}``. A failure shows its stderr's Python tracebacks (a crashed rank's peer fills the rest of
+    stderr with NCCL heartbeat noise), else the end of its stderr."""
     done = subprocess.run(
         [sys.executable, str(script), *args],
         cwd=Path(__file__).resolve().parents[1],
@@ -94,5 +96,20 @@ def run_script(script: Path, *args: str, timeout: float = 600) -> dict[str, Any]
         timeout=timeout,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    assert done.returncode == 0 and lines, failure_text(done.stderr)
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def failure_text(stderr: str, limit: int = 6000) -> str:
+    """The Python tracebacks in ``stderr`` (each from ``Traceback`` to the exception line), else its end."""
+    blocks, current = [], None
+    for line in stderr.splitlines():
+        line = re.sub(r"^\[rank\d+\]: ?", "", line)  # torch's per-rank prefix, where it adds one
+        if line.startswith("Traceback (most recent call last)"):
+            current = [line]
+        elif current is not None:
+            current.append(line)
+            if line and not line.startswith((" ", "\t")):  # the exception line ends the traceback
+                blocks.append("\n".join(current))
+                current = None
+    return ("\n\n".join(blocks) or stderr)[-limit:]

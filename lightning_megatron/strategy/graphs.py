@@ -304,7 +304,9 @@ def resolve_accumulation_fusion(
     faster: a step replayed as a CUDA graph in one process with half-precision weights (GPT-2-medium 1.02x and a
     Llama-style 0.85B 1.01-1.03x, one H100, ``throughput_1gpu_gaf_graphs*_h100.json``), where the host's extra work per
     layer is gone from the step and the GEMM saves the separate add and the bf16 temporary. Eager one-GPU steps of
-    GPT-2-medium ran 0.92x with it (host-bound), and graphed multi-process steps never ran with it: off there."""
+    GPT-2-medium ran 0.92x with it (host-bound). A graphed TP2 step ran 1.018x with it (2 x H200,
+    ``throughput_gpt-1.3b_tp2_graphed_variants_2xh200.json``), but no graphed multi-process parity test has run
+    with it yet: off there until one has."""
     if requested is not None:
         return requested
     half = params_dtype in (torch.bfloat16, torch.float16)

@@ -291,6 +291,11 @@ class MegatronAppStrategy(ParallelStrategy):
         ``gave_up_because``); else None."""
         return self._steps.graph
 
+    @property
+    def schedule_session(self) -> Any:
+        """The session the steps run under now (a schedule's ``prediction``, ``last_order``, ...); None before setup."""
+        return self._steps.session
+
     @contextmanager
     def using_schedule(self, schedule: str, schedule_options: Optional[Mapping[str, Any]] = None) -> Iterator[Any]:
         """``forward_backward`` inside the block runs ``schedule`` (a registered name, with its own options),

@@ -1,0 +1,192 @@
+"""Which protocol NCCL picks for the tensor-parallel collectives, and what each protocol would take.
+
+    python benchmarks/nccl_protocols.py --out benchmarks/results/nccl_protocols_2gpu.json        # 2 GPUs
+    python benchmarks/nccl_protocols.py --protocols default Simple --sizes-mib 16 32 --rounds 3
+    python benchmarks/nccl_protocols.py --cpu-dry-run --out /tmp/nccl.json                        # plumbing (gloo)
+
+Why: the profiles of the 1.3B GPT at TP2 (``throughput_profile_gpt-1.3b_*``) show every 32 MiB activation
+all-reduce run by ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``: the low-latency protocol, which moves 4 bytes of
+data with every 4 bytes of flag and so gets about half the link's bandwidth, picked for a message far past the
+sizes it is meant for. Those all-reduces are 20% of the step's GPU time. This measures, per protocol
+(``NCCL_PROTO`` unset = NCCL's own choice, then each protocol forced), the median time of ``all_reduce``,
+``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of bf16 messages of the given sizes, the bus bandwidth
+(nccl-tests' definition), and, on GPUs, the kernel NCCL ran (its name holds the algorithm and protocol).
+
+Every protocol runs in its own processes (NCCL reads ``NCCL_PROTO`` when it starts), one after another, the order
+reversed every other round; a size's figure is the median over its rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+# nccl-tests' bus bandwidth: the bytes each rank's link carries per byte of the message, for n ranks
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n}
+BUS_FACTOR["all_gather"] = BUS_FACTOR["reduce_scatter"]
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """One rank: time every op and size, write ``rank{N}.json`` into ``spec["out_dir"]``."""
+    import torch
+    import torch.distributed as dist
+
+    on_gpu = not spec["cpu"]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    device = torch.device("cuda") if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    rows: list[dict[str, Any]] = []
+    for op in spec["ops"]:
+        for mib in spec["sizes_mib"]:
+            elements = int(mib * 2**20) // 2 // world * world  # bf16, divisible by the ranks
+            full = torch.ones(elements, dtype=dtype, device=device)
+            shard = torch.ones(elements // world, dtype=dtype, device=device)
+            call = _collective(op, full, shard)
+            for _ in range(spec["warmup"]):
+                call()
+            times = _timed(call, spec["iterations"], on_gpu)
+            kernel = _kernel_name(call) if on_gpu else None
+            seconds = statistics.median(times)
+            bus = BUS_FACTOR[op](world) * elements * 2 / seconds / 1e9
+            rows.append({"op": op, "mib": mib, "us": seconds * 1e6, "bus_gb_s": bus, "kernel": kernel})
+    Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _collective(op: str, full: Any, shard: Any) -> Any:
+    """A call of ``op`` on these buffers (``full``: the whole message, ``shard``: one rank's part)."""
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, full)
+    return lambda: dist.all_gather_into_tensor(full, shard)
+
+
+def _timed(call: Any, iterations: int, on_gpu: bool) -> list[float]:
+    """Seconds per call: CUDA events around each call on GPUs (the host queues ahead), wall time on CPUs."""
+    import time
+
+    import torch
+
+    out = []
+    for _ in range(iterations):
+        if on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            call()
+            out.append(time.perf_counter() - began)
+    return out
+
+
+def _kernel_name(call: Any) -> str | None:
+    """The NCCL kernel one call ran, from torch.profiler's CUDA activity (e.g. ``..._AllReduce_Sum_bf16_RING_LL``)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if e.key.startswith("ncclDevKernel")]
+    return names[0].split("(")[0] if names else None
+
+
+def _launch(protocol: str, spec: dict[str, Any], workdir: Path, gpus: int) -> list[dict[str, Any]] | dict[str, Any]:
+    out_dir = Path(tempfile.mkdtemp(prefix=f"nccl-{protocol}-", dir=workdir))
+    env = dict(os.environ)
+    env.pop("NCCL_PROTO", None)
+    if protocol != "default":
+        env["NCCL_PROTO"] = protocol
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", __file__]
+    command += ["--worker-spec", json.dumps({**spec, "out_dir": str(out_dir)})]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    if proc.returncode != 0 or len(ranks) != gpus:
+        return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    # a collective ends when its slowest rank's does: the slowest rank's median per op and size
+    return [max((r[i] for r in ranks), key=lambda row: row["us"]) for i in range(len(ranks[0]))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
+    parser.add_argument("--protocols", nargs="+", default=["default", "Simple", "LL128", "LL"])
+    parser.add_argument("--sizes-mib", nargs="+", type=float, default=[1, 4, 16, 32, 64, 256])
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--gpus", type=int, default=None, help="processes (default: every GPU; 2 on CPU)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on CPU, small sizes: checks the plumbing")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nccl_protocols.json")
+    args = parser.parse_args()
+    if args.worker_spec:
+        _worker(json.loads(args.worker_spec))
+        return 0
+
+    import torch
+
+    gpus = args.gpus or (2 if args.cpu_dry_run else torch.cuda.device_count())
+    if gpus < 2:
+        raise SystemExit("nccl_protocols.py needs 2 or more GPUs (or --cpu-dry-run)")
+    sizes = [0.25, 1.0] if args.cpu_dry_run else args.sizes_mib
+    spec = {"cpu": args.cpu_dry_run, "ops": args.ops, "sizes_mib": sizes, "warmup": 5, "iterations": args.iterations}
+    report: dict[str, Any] = {
+        "what": "NCCL collectives per protocol (NCCL_PROTO), bf16, median of the slowest rank",
+        **provenance(),
+        "processes": gpus,
+        "rounds": args.rounds,
+        "results": {},
+    }
+    rounds: dict[str, list[Any]] = {p: [] for p in args.protocols}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(args.rounds):
+            order = args.protocols if round_index % 2 == 0 else args.protocols[::-1]
+            for protocol in order:
+                rounds[protocol].append(_launch(protocol, spec, Path(tmp), gpus))
+                report["results"] = {p: _summary(r) for p, r in rounds.items() if r}
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(report, indent=1))
+    for protocol, rows in report["results"].items():
+        for row in rows if isinstance(rows, list) else [rows]:
+            shown = "  ".join(f"{k}={v}" for k, v in row.items() if k != "us_by_round")
+            print(f"{protocol:>8} {shown}")
+    return 0 if all(isinstance(r, list) for r in report["results"].values()) else 1
+
+
+def _summary(results: list[Any]) -> list[dict[str, Any]] | dict[str, Any]:
+    """Per op and size, the median over the rounds that ran (each round's figure kept under ``us_by_round``)."""
+    good = [r for r in results if isinstance(r, list)]
+    if not good:
+        return results[-1]
+    out = []
+    for i, row in enumerate(good[0]):
+        per_round = [g[i]["us"] for g in good]
+        median = statistics.median(per_round)
+        bus = row["bus_gb_s"] * row["us"] / median
+        out.append({**row, "us": round(median, 2), "bus_gb_s": round(bus, 1), "us_by_round": per_round})
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
