@@ -112,15 +112,23 @@ def _kernel_name(call: Any) -> str | None:
     return names[0].split("(")[0] if names else None
 
 
-def _launch(protocol: str, spec: dict[str, Any], workdir: Path, gpus: int) -> list[dict[str, Any]] | dict[str, Any]:
+def _launch(
+    protocol: str, spec: dict[str, Any], workdir: Path, gpus: int, nccl_log: list[str] | None = None
+) -> list[dict[str, Any]] | dict[str, Any]:
+    """One protocol's processes; with ``nccl_log`` (a list) NCCL logs its set-up and tuning, and the lines that say
+    how ranks are connected and which algorithms and protocols it allows are added to the list."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"nccl-{protocol}-", dir=workdir))
     env = dict(os.environ)
     env.pop("NCCL_PROTO", None)
     if protocol != "default":
         env["NCCL_PROTO"] = protocol
+    if nccl_log is not None:
+        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,GRAPH,TUNING,ENV")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", __file__]
     command += ["--worker-spec", json.dumps({**spec, "out_dir": str(out_dir)})]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if nccl_log is not None:
+        nccl_log.extend(line for line in (proc.stdout + proc.stderr).splitlines() if " NCCL INFO " in line)
     ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != gpus:
         return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
@@ -137,6 +145,11 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=None, help="processes (default: every GPU; 2 on CPU)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument(
+        "--nccl-info",
+        action="store_true",
+        help="log NCCL's set-up and tuning (NCCL_DEBUG=INFO) in the first round's default run; kept under nccl_info",
+    )
     parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on CPU, small sizes: checks the plumbing")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nccl_protocols.json")
     args = parser.parse_args()
@@ -163,7 +176,10 @@ def main() -> int:
         for round_index in range(args.rounds):
             order = args.protocols if round_index % 2 == 0 else args.protocols[::-1]
             for protocol in order:
-                rounds[protocol].append(_launch(protocol, spec, Path(tmp), gpus))
+                log = [] if args.nccl_info and round_index == 0 and protocol == "default" else None
+                rounds[protocol].append(_launch(protocol, spec, Path(tmp), gpus, log))
+                if log is not None:
+                    report["nccl_info"] = log[:400]
                 report["results"] = {p: _summary(r) for p, r in rounds.items() if r}
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(report, indent=1))

@@ -52,7 +52,9 @@ def fit_recording(world_size: int, steps: int = 3, callbacks: Optional[list] = N
     return result
 
 
-def fit_recording_with_allowance(world_size: int, fraction: float, **strategy: Any) -> dict[str, Any]:
+def fit_recording_with_allowance(
+    world_size: int, fraction: float, callbacks: Optional[list] = None, **strategy: Any
+) -> dict[str, Any]:
     """``fit_recording`` under a byte budget (``weight_grad_memory`` a number) whose allowance, which CPUs cannot
     measure, is set from step 1 on to ``fraction`` of the largest weight-gradient stash step 0 saw."""
 
@@ -62,7 +64,7 @@ def fit_recording_with_allowance(world_size: int, fraction: float, **strategy: A
             if session is not None:
                 session.weight_grad_bytes = int(fraction * session.last_weight_grad_bytes)
 
-    return fit_recording(world_size, callbacks=[Allowance()], **strategy)
+    return fit_recording(world_size, callbacks=[Allowance(), *(callbacks or [])], **strategy)
 
 
 class _Experiments(pl.Callback):

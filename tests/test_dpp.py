@@ -348,16 +348,18 @@ def test_zero_bubble_within_each_ranks_own_1f1b_memory(ranks: Any) -> None:
 def test_zero_bubble_byte_budget_keeps_part_of_a_weight_gradient(ranks: Any) -> None:
     """``weight_grad_memory`` a number: past ``"own-rank"``'s count, pending Ws are kept while their bytes fit the
     allowance, and the oldest runs layer by layer (``w`` parts) until they do; the sums are 1f1b's. On CPUs the
-    allowance is not measured (it stays 0: ``"own-rank"``), so the test sets it to half a W from step 1 on."""
+    allowance is not measured (it stays 0: ``"own-rank"``), so the test sets it to half a W from step 1 on.
+
+    The sequences of separate fits are compared, and a W also runs where its rank would idle, so the last rank
+    computes 3x slower (as in the test above): its inputs always wait for it and the first rank always waits for
+    its gradients, whatever the machine's load."""
     world, strategy = ZB_LAYOUTS["pp2"]
     want = ranks.run(world, dc.fit_recording, world, schedule="1f1b", **strategy)
+    zb = dict(strategy, schedule="zb-h1", callbacks=[SlowdownInjector([world - 1], 3.0)])
     options = {"weight_grad_memory": 1.1}
-    as_own_rank = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=options, **strategy)
-    own_rank = {"weight_grad_memory": "own-rank"}
-    reference = ranks.run(world, dc.fit_recording, world, schedule="zb-h1", schedule_options=own_rank, **strategy)
-    got = ranks.run(
-        world, dc.fit_recording_with_allowance, world, 0.5, schedule="zb-h1", schedule_options=options, **strategy
-    )
+    as_own_rank = ranks.run(world, dc.fit_recording, world, schedule_options=options, **zb)
+    reference = ranks.run(world, dc.fit_recording, world, schedule_options={"weight_grad_memory": "own-rank"}, **zb)
+    got = ranks.run(world, dc.fit_recording_with_allowance, world, 0.5, schedule_options=options, **zb)
     for rank in range(world):
         assert as_own_rank[rank]["sequence"] == reference[rank]["sequence"], f"CPU budget is own-rank, rank {rank}"
         assert_close(got[rank], want[rank], 1e-6, f"zb-h1 byte budget, rank {rank}")
