@@ -1,16 +1,17 @@
-"""Which protocol NCCL picks for the tensor-parallel collectives, and what each protocol would take.
+"""How fast NCCL's tensor-parallel collectives go here, per protocol, and which protocol NCCL picks itself.
 
-    python benchmarks/nccl_protocols.py --out benchmarks/results/nccl_protocols_2gpu.json        # 2 GPUs
+    python benchmarks/nccl_protocols.py --nccl-info --out benchmarks/results/nccl_protocols_2gpu.json   # 2 GPUs
     python benchmarks/nccl_protocols.py --protocols default Simple --sizes-mib 16 32 --rounds 3
-    python benchmarks/nccl_protocols.py --cpu-dry-run --out /tmp/nccl.json                        # plumbing (gloo)
+    python benchmarks/nccl_protocols.py --cpu-dry-run --out /tmp/nccl.json                               # plumbing (gloo)
 
-Why: the profiles of the 1.3B GPT at TP2 (``throughput_profile_gpt-1.3b_*``) show every 32 MiB activation
-all-reduce run by ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``: the low-latency protocol, which moves 4 bytes of
-data with every 4 bytes of flag and so gets about half the link's bandwidth, picked for a message far past the
-sizes it is meant for. Those all-reduces are 20% of the step's GPU time. This measures, per protocol
-(``NCCL_PROTO`` unset = NCCL's own choice, then each protocol forced), the median time of ``all_reduce``,
-``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of bf16 messages of the given sizes, the bus bandwidth
-(nccl-tests' definition), and, on GPUs, the kernel NCCL ran (its name holds the algorithm and protocol).
+Why: in the profiles of the 1.3B GPT at TP2 (``throughput_profile_gpt-1.3b_*``) the 32 MiB activation all-reduces
+are 20% of the step's GPU time at about 196 GB/s of bus bandwidth, where this workplace's H100 machines reached
+329-361 GB/s on 1 GiB. Which protocol ran is not in the profile: NCCL names a kernel after the one protocol it
+inlines (``..._RING_LL``) and runs whichever its tuner picked (NCCL issues #1595, #2196). This measures, per
+protocol (``NCCL_PROTO`` unset = NCCL's own choice, then each protocol forced), the median time of
+``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of bf16 messages of the given sizes and
+the bus bandwidth (nccl-tests' definition); ``--nccl-info`` keeps NCCL's log of its set-up and tuning (how the
+GPUs are connected, the protocol and algorithm per call) from the first default run.
 
 Every protocol runs in its own processes (NCCL reads ``NCCL_PROTO`` when it starts), one after another, the order
 reversed every other round; a size's figure is the median over its rounds.
@@ -59,10 +60,9 @@ def _worker(spec: dict[str, Any]) -> None:
             for _ in range(spec["warmup"]):
                 call()
             times = _timed(call, spec["iterations"], on_gpu)
-            kernel = _kernel_name(call) if on_gpu else None
             seconds = statistics.median(times)
             bus = BUS_FACTOR[op](world) * elements * 2 / seconds / 1e9
-            rows.append({"op": op, "mib": mib, "us": seconds * 1e6, "bus_gb_s": bus, "kernel": kernel})
+            rows.append({"op": op, "mib": mib, "us": seconds * 1e6, "bus_gb_s": bus})
     Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -101,17 +101,6 @@ def _timed(call: Any, iterations: int, on_gpu: bool) -> list[float]:
     return out
 
 
-def _kernel_name(call: Any) -> str | None:
-    """The NCCL kernel one call ran, from torch.profiler's CUDA activity (e.g. ``..._AllReduce_Sum_bf16_RING_LL``)."""
-    import torch
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if e.key.startswith("ncclDevKernel")]
-    return names[0].split("(")[0] if names else None
-
-
 def _launch(
     protocol: str, spec: dict[str, Any], workdir: Path, gpus: int, nccl_log: list[str] | None = None
 ) -> list[dict[str, Any]] | dict[str, Any]:
@@ -128,7 +117,12 @@ def _launch(
     command += ["--worker-spec", json.dumps({**spec, "out_dir": str(out_dir)})]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if nccl_log is not None:
-        nccl_log.extend(line for line in (proc.stdout + proc.stderr).splitlines() if " NCCL INFO " in line)
+        seen = set(nccl_log)  # without host and process prefixes: one line per distinct message, in order
+        for line in (proc.stdout + proc.stderr).splitlines():
+            message = line.split(" NCCL INFO ", 1)[-1].strip() if " NCCL INFO " in line else None
+            if message and message not in seen:
+                seen.add(message)
+                nccl_log.append(message)
     ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != gpus:
         return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
