@@ -1,19 +1,21 @@
-"""How fast NCCL's tensor-parallel collectives go here, per protocol, and which protocol NCCL picks itself.
+"""How fast NCCL's tensor-parallel collectives go here under each NCCL setting, and what NCCL picks itself.
 
-    python benchmarks/nccl_protocols.py --nccl-info --out benchmarks/results/nccl_protocols_2gpu.json   # 2 GPUs
-    python benchmarks/nccl_protocols.py --protocols default Simple --sizes-mib 16 32 --rounds 3
-    python benchmarks/nccl_protocols.py --cpu-dry-run --out /tmp/nccl.json                               # plumbing (gloo)
+    python benchmarks/nccl_collectives.py --nccl-info --out benchmarks/results/nccl_collectives_2gpu.json   # 2 GPUs
+    python benchmarks/nccl_collectives.py --settings default Simple NCCL_MIN_NCHANNELS=32 --sizes-mib 16 32
+    python benchmarks/nccl_collectives.py --cpu-dry-run --out /tmp/nccl.json                                 # gloo
 
 Why: in the profiles of the 1.3B GPT at TP2 (``throughput_profile_gpt-1.3b_*``) the 32 MiB activation all-reduces
 are 20% of the step's GPU time at about 196 GB/s of bus bandwidth, where this workplace's H100 machines reached
 329-361 GB/s on 1 GiB. Which protocol ran is not in the profile: NCCL names a kernel after the one protocol it
-inlines (``..._RING_LL``) and runs whichever its tuner picked (NCCL issues #1595, #2196). This measures, per
-protocol (``NCCL_PROTO`` unset = NCCL's own choice, then each protocol forced), the median time of
-``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of bf16 messages of the given sizes and
-the bus bandwidth (nccl-tests' definition); ``--nccl-info`` keeps NCCL's log of its set-up and tuning (how the
-GPUs are connected, the protocol and algorithm per call) from the first default run.
+inlines (``..._RING_LL``) and runs whichever its tuner picked (NCCL issues #1595, #2196); nor how many channels
+(thread blocks, each driving its share of the links) NCCL gave a small VM's GPUs. This measures, per setting, the
+median time of ``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` of bf16 messages of the
+given sizes and the bus bandwidth (nccl-tests' definition). A setting is ``default`` (NCCL's own choices), a
+protocol (``Simple``, ``LL128``, ``LL``: ``NCCL_PROTO``), or environment variables (``NCCL_MIN_NCHANNELS=32``,
+several joined by commas). ``--nccl-info`` keeps NCCL's log of its set-up and tuning from the first default run:
+how the GPUs are connected, the channels, the algorithm and protocol of each call.
 
-Every protocol runs in its own processes (NCCL reads ``NCCL_PROTO`` when it starts), one after another, the order
+Every setting runs in its own processes (NCCL reads its environment when it starts), one after another, the order
 reversed every other round; a size's figure is the median over its rounds.
 """
 
@@ -101,16 +103,29 @@ def _timed(call: Any, iterations: int, on_gpu: bool) -> list[float]:
     return out
 
 
+PROTOCOLS = ("Simple", "LL128", "LL")
+
+
+def setting_env(setting: str) -> dict[str, str]:
+    """The environment variables a setting stands for (``default``: none; a protocol: ``NCCL_PROTO``)."""
+    if setting == "default":
+        return {}
+    if setting in PROTOCOLS:
+        return {"NCCL_PROTO": setting}
+    pairs = [item.split("=", 1) for item in setting.split(",")]
+    if any(len(pair) != 2 or not pair[0].startswith("NCCL_") for pair in pairs):
+        raise SystemExit(f"--settings {setting!r}: use default, {', '.join(PROTOCOLS)}, or NCCL_VAR=value[,...]")
+    return dict(pairs)
+
+
 def _launch(
-    protocol: str, spec: dict[str, Any], workdir: Path, gpus: int, nccl_log: list[str] | None = None
+    setting: str, spec: dict[str, Any], workdir: Path, gpus: int, nccl_log: list[str] | None = None
 ) -> list[dict[str, Any]] | dict[str, Any]:
-    """One protocol's processes; with ``nccl_log`` (a list) NCCL logs its set-up and tuning, and the lines that say
-    how ranks are connected and which algorithms and protocols it allows are added to the list."""
-    out_dir = Path(tempfile.mkdtemp(prefix=f"nccl-{protocol}-", dir=workdir))
-    env = dict(os.environ)
-    env.pop("NCCL_PROTO", None)
-    if protocol != "default":
-        env["NCCL_PROTO"] = protocol
+    """One setting's processes; with ``nccl_log`` (a list) NCCL logs its set-up and tuning, and each distinct
+    message is added to the list."""
+    out_dir = Path(tempfile.mkdtemp(prefix="nccl-", dir=workdir))
+    env = {k: v for k, v in os.environ.items() if k not in ("NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")}
+    env.update(setting_env(setting))
     if nccl_log is not None:
         env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,GRAPH,TUNING,ENV")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", __file__]
@@ -133,7 +148,12 @@ def _launch(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
-    parser.add_argument("--protocols", nargs="+", default=["default", "Simple", "LL128", "LL"])
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=["default", *PROTOCOLS, "NCCL_MIN_NCHANNELS=32"],
+        help="default, a protocol, or NCCL_VAR=value[,NCCL_VAR=value]",
+    )
     parser.add_argument("--sizes-mib", nargs="+", type=float, default=[1, 4, 16, 32, 64, 256])
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--gpus", type=int, default=None, help="processes (default: every GPU; 2 on CPU)")
@@ -145,7 +165,7 @@ def main() -> int:
         help="log NCCL's set-up and tuning (NCCL_DEBUG=INFO) in the first round's default run; kept under nccl_info",
     )
     parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on CPU, small sizes: checks the plumbing")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nccl_protocols.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nccl_collectives.json")
     args = parser.parse_args()
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))
@@ -155,32 +175,33 @@ def main() -> int:
 
     gpus = args.gpus or (2 if args.cpu_dry_run else torch.cuda.device_count())
     if gpus < 2:
-        raise SystemExit("nccl_protocols.py needs 2 or more GPUs (or --cpu-dry-run)")
+        raise SystemExit("nccl_collectives.py needs 2 or more GPUs (or --cpu-dry-run)")
     sizes = [0.25, 1.0] if args.cpu_dry_run else args.sizes_mib
     spec = {"cpu": args.cpu_dry_run, "ops": args.ops, "sizes_mib": sizes, "warmup": 5, "iterations": args.iterations}
     report: dict[str, Any] = {
-        "what": "NCCL collectives per protocol (NCCL_PROTO), bf16, median of the slowest rank",
+        "what": "NCCL collectives per setting (protocol, channels), bf16, median of the slowest rank",
+        "settings": {setting: setting_env(setting) for setting in args.settings},
         **provenance(),
         "processes": gpus,
         "rounds": args.rounds,
         "results": {},
     }
-    rounds: dict[str, list[Any]] = {p: [] for p in args.protocols}
+    rounds: dict[str, list[Any]] = {setting: [] for setting in args.settings}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
-            order = args.protocols if round_index % 2 == 0 else args.protocols[::-1]
-            for protocol in order:
-                log = [] if args.nccl_info and round_index == 0 and protocol == "default" else None
-                rounds[protocol].append(_launch(protocol, spec, Path(tmp), gpus, log))
+            order = args.settings if round_index % 2 == 0 else args.settings[::-1]
+            for setting in order:
+                log = [] if args.nccl_info and round_index == 0 and setting == "default" else None
+                rounds[setting].append(_launch(setting, spec, Path(tmp), gpus, log))
                 if log is not None:
                     report["nccl_info"] = log[:400]
                 report["results"] = {p: _summary(r) for p, r in rounds.items() if r}
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(report, indent=1))
-    for protocol, rows in report["results"].items():
+    for setting, rows in report["results"].items():
         for row in rows if isinstance(rows, list) else [rows]:
             shown = "  ".join(f"{k}={v}" for k, v in row.items() if k != "us_by_round")
-            print(f"{protocol:>8} {shown}")
+            print(f"{setting:>24} {shown}")
     return 0 if all(isinstance(r, list) for r in report["results"].values()) else 1
 
 
