@@ -182,8 +182,7 @@ def _plot(path: Path, clean: float, rows: Sequence[SweepRow]) -> None:
     scale = max(finite) if finite and max(finite) > 0 else 1.0
     # a log scale on both sides of 0: a 1e-3 change and a blow-up are both visible; NaN (a diverged model) is grey
     norm = SymLogNorm(linthresh=min(1e-3, scale / 10), vmin=-scale, vmax=scale)
-    cmap = plt.get_cmap("RdBu_r").copy()
-    cmap.set_bad("#b0b0b0")
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#b0b0b0")
     for ax, (site, kind) in zip(axes.flat, panels):
         grid = [[values.get((site, kind, layer, s), float("nan")) for s in strengths] for layer in layers]
         image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
