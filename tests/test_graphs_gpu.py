@@ -396,6 +396,10 @@ TWO_GPU_LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2},
     "dp2": {},
     "dp2-distopt-overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
+    # the weight-gradient GEMM accumulating into main_grad, graphed and eager: what automatic graphs at TP/DP wait
+    # for before they take gradient_accumulation_fusion=True (strategy._settings_not_run_graphed)
+    "tp2-gaf": {"tensor_model_parallel_size": 2, "gradient_accumulation_fusion": True},
+    "dp2-gaf": {"gradient_accumulation_fusion": True},
 }
 
 
@@ -409,3 +413,5 @@ def test_two_gpu_fit_matches_eager(layout: str, tmp_path: Path) -> None:
     _record(tmp_path, f"fit/gpt2-style-{layout}-bf16", results)
     assert results["on"]["graph"] == REPLAYED
     assert results["max_rel_loss_diff"] < 1e-5, results
+    if "gaf" in layout:  # both fits took the fused weight-gradient GEMM
+        assert results["on"]["accumulation"]["resolved"] and results["off"]["accumulation"]["resolved"], results
