@@ -55,7 +55,8 @@ def _worker(spec: dict[str, Any]) -> None:
     rows: list[dict[str, Any]] = []
     for op in spec["ops"]:
         for mib in spec["sizes_mib"]:
-            elements = int(mib * 2**20) // 2 // world * world  # bf16, divisible by the ranks
+            item = torch.empty((), dtype=dtype).element_size()
+            elements = int(mib * 2**20) // item // world * world  # divisible by the ranks
             full = torch.ones(elements, dtype=dtype, device=device)
             shard = torch.ones(elements // world, dtype=dtype, device=device)
             call = _collective(op, full, shard)
@@ -63,7 +64,7 @@ def _worker(spec: dict[str, Any]) -> None:
                 call()
             times = _timed(call, spec["iterations"], on_gpu)
             seconds = statistics.median(times)
-            bus = BUS_FACTOR[op](world) * elements * 2 / seconds / 1e9
+            bus = BUS_FACTOR[op](world) * elements * item / seconds / 1e9
             rows.append({"op": op, "mib": mib, "us": seconds * 1e6, "bus_gb_s": bus})
     Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
@@ -179,7 +180,7 @@ def main() -> int:
     sizes = [0.25, 1.0] if args.cpu_dry_run else args.sizes_mib
     spec = {"cpu": args.cpu_dry_run, "ops": args.ops, "sizes_mib": sizes, "warmup": 5, "iterations": args.iterations}
     report: dict[str, Any] = {
-        "what": "NCCL collectives per setting (protocol, channels), bf16, median of the slowest rank",
+        "what": "NCCL collectives per setting (protocol, channels), bf16 (fp32 on CPU), median of the slowest rank",
         "settings": {setting: setting_env(setting) for setting in args.settings},
         **provenance(),
         "processes": gpus,
