@@ -54,7 +54,8 @@ def test_run_delay_counts_time_slices_lost_to_another_process_not_sleep() -> Non
     time.sleep(0.3)
     asleep = delay.read() - before
     assert contended > 150_000, contended  # µs of 600 000: a fair share is half
-    assert asleep < 5_000, asleep
+    # asleep it waits only to be woken: a few ms on a loaded 2-core CI machine (5.2 ms once), far from contention's
+    assert asleep < 30_000, asleep
     seen: list[object] = []
     worker = threading.Thread(target=lambda: seen.append(delay.read()))
     worker.start()
