@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from lightning_megatron.scan.attribution import attribute_busy
 from lightning_megatron.scan.busy import (
     ANCHOR_NAME,
     MAX_ALIGN_ERROR_US,
@@ -26,10 +27,11 @@ from lightning_megatron.scan.busy import (
     busy_timeline,
     is_busy,
 )
+from lightning_megatron.scan.compute_rules import make_suspect
 from lightning_megatron.scan.detect import DetectionReport, detect
 from lightning_megatron.scan.format import list_rank_files, read_rank_file
-from lightning_megatron.scan.gpu_measure import busy_times
-from lightning_megatron.scan.measure import read_traces
+from lightning_megatron.scan.gpu_measure import BusyTimes, busy_times
+from lightning_megatron.scan.measure import RankTrace, read_traces
 from lightning_megatron.scan.synthetic import generate_traces
 
 
@@ -362,6 +364,30 @@ def test_a_span_stretched_by_idle_gaps_is_not_compute(tmp_path: Path) -> None:
     unexplained, notes = run(tmp_path, "no-queue", dp=2, pp=1, tp=1, steps=8, idle_gaps={1: 1.3}, gpu_busy=True)
     assert unexplained.suspects == [], unexplained.table()
     assert any("idle GPU time that neither explains" in note for note in notes)
+
+
+@pytest.mark.parametrize(("host_queueing", "kind"), [(0.09, None), (2.9, "host"), (1.6, "host")])
+def test_a_host_is_named_only_where_its_queueing_explains_the_idle_time(host_queueing: float, kind: str) -> None:
+    """Spans 290% longer than the peer's over the same kernels (idle GPU time) and a host that queued the work
+    9% slower: the host explains almost none of it (a tensor-parallel rank on 2x H200 whose peer had the GPU
+    contention was named ``host`` so), so nothing is named and the note says why; a host slower by the spans'
+    excess, or by more than half of it, is named."""
+    traces = {rank: RankTrace(rank=rank, tp=rank) for rank in (0, 1)}
+    steps = range(8)
+    busy = {
+        rank: BusyTimes(
+            busy_per_step={s: 100.0 for s in steps},
+            span_per_step={s: 200.0 * (3.9 if rank else 1.0) for s in steps},
+            enqueue_per_step={s: 100.0 * (1.0 + host_queueing if rank else 1.0) for s in steps},
+        )
+        for rank in (0, 1)
+    }
+    suspect = make_suspect(traces[1], "compute", 2.9, {"rule": "per-step net compute, signed-rank test over steps"})
+    notes: list[str] = []
+    kept = attribute_busy([suspect], traces, busy, min_slowdown=0.08, notes=notes)
+    assert [s.kind for s in kept] == ([kind] if kind else []), notes
+    if kind is None:
+        assert any("+290% in the busy windows" in note and "queueing +9%" in note for note in notes), notes
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,7 @@ __all__ = [
     "declares_graph_safe_step",
     "resolve_accumulation_fusion",
     "resolve_cuda_graphs",
+    "settings_not_run_graphed",
 ]
 
 StepFn = Callable[[Sequence[Any]], StepOutput]
@@ -297,20 +298,42 @@ def resolve_cuda_graphs(
 
 
 def resolve_accumulation_fusion(
-    requested: Optional[bool], *, graphs: bool, world_size: int, on_cpu: bool, params_dtype: torch.dtype
+    requested: Optional[bool],
+    *,
+    graphs: bool,
+    on_cpu: bool,
+    params_dtype: torch.dtype,
+    data_parallel: int = 1,
+    pipeline: int = 1,
 ) -> bool:
     """Whether the weight-gradient GEMMs accumulate into ``main_grad`` (``gradient_accumulation_fusion``).
     ``True``/``False`` are the user's; ``None`` (automatic) turns it on with the graph, where it was measured
     faster: a step replayed as a CUDA graph in one process with half-precision weights (GPT-2-medium 1.02x and a
     Llama-style 0.85B 1.01-1.03x, one H100, ``throughput_1gpu_gaf_graphs*_h100.json``), where the host's extra work per
     layer is gone from the step and the GEMM saves the separate add and the bf16 temporary. Eager one-GPU steps of
-    GPT-2-medium ran 0.92x with it (host-bound). A graphed TP2 step ran 1.018x with it (2 x H200,
-    ``throughput_gpt-1.3b_tp2_graphed_variants_2xh200.json``), but no graphed multi-process parity test has run
-    with it yet: off there until one has."""
+    GPT-2-medium ran 0.92x with it (host-bound). A graphed TP2 step of a 1.3B GPT ran 1.018x with it (2 x H200,
+    ``throughput_gpt-1.3b_tp2_graphed_variants_2xh200.json``) and matched the eager fit bit for bit
+    (``graphs_gpu_pytest_2xh200.json``), so tensor-parallel layouts take it too. Data- and pipeline-parallel
+    graphed steps have run no parity test with it: off there until one has."""
     if requested is not None:
         return requested
     half = params_dtype in (torch.bfloat16, torch.float16)
-    return graphs and world_size == 1 and half and not on_cpu
+    return graphs and data_parallel == 1 and pipeline == 1 and half and not on_cpu
+
+
+def settings_not_run_graphed(
+    *, overlap_param_gather: bool, tp_comm_overlap: bool, gradient_accumulation_fusion: bool, data_parallel: int
+) -> tuple[str, ...]:
+    """The settings on in a multi-process run that no graph parity test (``tests/test_graphs_gpu.py``) has run
+    with, for ``resolve_cuda_graphs(unchecked=...)``: megatron-core's parameter all-gather waits inside the forward
+    on work started in the optimizer step, and the overlapped and split linears issue their own collectives and
+    GEMMs. The fused weight-gradient GEMM ran at TP2 (bit for bit), not yet beside data-parallel gradient buffers."""
+    named = {
+        "overlap_param_gather": overlap_param_gather,
+        "tp_comm_overlap": tp_comm_overlap,
+        "gradient_accumulation_fusion": gradient_accumulation_fusion and data_parallel > 1,
+    }
+    return tuple(name for name, on in named.items() if on)
 
 
 def declares_graph_safe_step(module: Any) -> bool:

@@ -56,6 +56,7 @@ from lightning_megatron.strategy.graphs import (
     check_cuda_graphs,
     resolve_accumulation_fusion,
     resolve_cuda_graphs,
+    settings_not_run_graphed,
 )
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader
 from lightning_megatron.strategy.optimizer import StrategyOptimizer, build_optimizer
@@ -100,8 +101,8 @@ class MegatronAppStrategy(ParallelStrategy):
             that accumulates into the fp32 ``main_grad`` (GPUs, bf16/fp16), without the half-precision temporary
             and the separate add; what megatron-core's flag of that name does with apex, here without apex
             (:mod:`lightning_megatron.pipeline.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
-            Unset: on with a CUDA-graphed step in one process, where it was measured faster (see
-            :func:`~lightning_megatron.strategy.graphs.resolve_accumulation_fusion`).
+            Unset: on with a CUDA-graphed step in one process or tensor-parallel only, where it was measured
+            faster (:func:`~lightning_megatron.strategy.graphs.resolve_accumulation_fusion`).
         tp_comm_overlap: Overlap the tensor-parallel all-gathers, reduce-scatters and all-reduces of every
             ``ColumnParallelLinear`` / ``RowParallelLinear`` with their GEMMs (chunked collective matmul over NCCL,
             no Transformer Engine; :mod:`lightning_megatron.pipeline.tp_overlap`). Same results; ignored (with a
@@ -343,14 +344,22 @@ class MegatronAppStrategy(ParallelStrategy):
             fitting=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
             pipeline=self.layout.pipeline,
             num_nodes=self.num_nodes,
-            unchecked=self._settings_not_run_graphed() if self.world_size > 1 else (),
+            unchecked=settings_not_run_graphed(
+                overlap_param_gather=self._ddp_kwargs.get("overlap_param_gather", False),
+                tp_comm_overlap=self.tp_comm_overlap is not None,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion is True,
+                data_parallel=data_parallel,
+            )
+            if self.world_size > 1
+            else (),
         )
         self._accumulation_fusion = resolve_accumulation_fusion(
             self.gradient_accumulation_fusion,
             graphs=self._graphs,
-            world_size=self.world_size,
             on_cpu=on_cpu,
             params_dtype=self.precision_plugin.params_dtype,
+            data_parallel=data_parallel,
+            pipeline=self.layout.pipeline,
         )
         self._init_process_group(backend, on_cpu)
         initialize_parallel_state(self.layout, self._timeout)
@@ -358,17 +367,6 @@ class MegatronAppStrategy(ParallelStrategy):
         seed_parallel_rngs(base_seed, graph_safe=self._graphs)
         self._parallel = ParallelContext(self.layout, self.precision_plugin.params_dtype, on_cpu=on_cpu)
         assert self._parallel.data_parallel_size == data_parallel
-
-    def _settings_not_run_graphed(self) -> tuple[str, ...]:
-        """Settings on in this run that no multi-process graph parity test has run with (tests/test_graphs_gpu.py):
-        megatron-core's parameter all-gather waits inside the forward on work started in the optimizer step, and
-        the overlapped and split linears issue their own collectives and GEMMs. Automatic graphs stay off with them."""
-        named = {
-            "overlap_param_gather": self._ddp_kwargs.get("overlap_param_gather", False),
-            "tp_comm_overlap": self.tp_comm_overlap is not None,
-            "gradient_accumulation_fusion": self.gradient_accumulation_fusion is True,
-        }
-        return tuple(name for name, on in named.items() if on)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
