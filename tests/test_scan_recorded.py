@@ -32,6 +32,12 @@
   26% slower). Three clean fits, and three with the competitor in which the rules before the 16th session named
   a host gap 1-2 ms longer than before (2-4% of a step) instead of the 27-29 ms a step the training thread waited
   for its CPU.
+* ``tests/data/megascan_h200_tp2sp.tar.xz``: two fits on 2x H200 (the ``medium`` GPT at TP2 with sequence
+  parallelism, eager, 14 steps, 2026-11-27, ``--layouts tp2-sp``), the faults from the first step: rank 1's host
+  blocking before the optimizer step (a quarter of a step, +28% that launch), and another process multiplying
+  matrices in bursts on rank 0's GPU (the job +1%). The tensor-parallel ranks meet in 670 collectives a step,
+  and which of them waits there swings by hundreds of milliseconds between steps: the first was named by
+  nothing, the second named the *other* rank ``host`` (spans +292% against its host's queueing +9%).
 """
 
 from __future__ import annotations
@@ -81,6 +87,11 @@ def cpu_pp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cpu_waits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _extracted(tmp_path_factory, "megascan_cpu_waits.tar.gz", "")
+
+
+@pytest.fixture(scope="module")
+def tp2sp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _extracted(tmp_path_factory, "megascan_h200_tp2sp.tar.xz", "tp2sp")
 
 
 def named(report) -> list[tuple[int, str]]:
@@ -183,6 +194,24 @@ def test_other_host_and_gpu_faults_keep_their_names(host_faults: Path) -> None:
     assert named(report) == [(0, "host")] and "where" not in report.suspects[0].evidence, report.table()
     report = detect(host_faults / "medium" / "gpu-memory-contention-0")
     assert named(report) == [(0, "compute")], report.table()
+
+
+def test_a_tensor_parallel_peer_kept_waiting_by_a_host_stall_names_it(tp2sp: Path) -> None:
+    """Rank 1's host stalls before the optimizer step; rank 0 waits it out in the next all-reduce (114-191 ms a
+    step). Rank 1's own in-step gaps show the stall, and its peer's waits during those very gaps say it cost the
+    peer (``waits.host_waits_in_steps``: ``waited_during``); the step's total waits, at TP, do not."""
+    report = detect(tp2sp / "host-stall-hidden-1")
+    assert named(report) == [(1, "host")], report.table()
+    suspect = report.suspects[0]
+    assert suspect.evidence["where"].startswith("inside steps") and suspect.evidence["late_ms"] > 100, suspect
+    assert 0.1 < suspect.slowdown < 0.3, suspect
+
+
+def test_a_tensor_parallel_rank_is_not_named_host_for_idle_time_its_host_does_not_explain(tp2sp: Path) -> None:
+    """Bursty contention on rank 0's GPU, which the job hardly felt: rank 1's spans +292% with its kernels no
+    slower and its host's queueing only +9% (``attribution._HOST_EXPLAINS``): nothing is named."""
+    report = detect(tp2sp / "gpu-contention-bursty-2")
+    assert report.suspects == [], report.table()
 
 
 def test_lone_cpu_stages_name_nothing_when_clean(cpu_pp2: Path) -> None:

@@ -411,6 +411,10 @@ def _data_suspects(
                     # a collective inside them) ends every rank's wait together: the others waited it out there,
                     # which says who was late without any clock.
                     late_us = max(late_us, waited_for(rank, stage, waits.synced))
+                if rank in waits.waited_during:
+                    # ... and inside steps, how long the peers were blocked during the rank's own gaps (at TP
+                    # the step's other waits swing too much between steps to show it: ``host_waits_in_steps``)
+                    late_us = max(late_us, statistics.median(waits.waited_during[rank].values()))
                 if late_us + 2 * tolerance < 0.5 * excess_us:
                     continue  # mostly waiting for the others, not loading
                 impact_us = min(excess_us, max(late_us, 0.0) + 2 * tolerance)
@@ -472,10 +476,7 @@ def _host_in_step_suspects(
     if not median_step_us:
         return []
     named = {s.rank for s in suspects if s.kind == "host"}
-    waits = host_waits_in_steps(traces)
-    waits = DataWaits(
-        *({r: v for r, v in part.items() if r not in named} for part in (waits.samples, waits.ends, waits.synced))
-    )
+    waits = host_waits_in_steps(traces).without(named)
     bar_us = min_slowdown * median_step_us
     found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, bar_us, "host")
     found += cross_stage_wait_suspects(traces, per_rank, waits, bar_us, min_slowdown, min_z)

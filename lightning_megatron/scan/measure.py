@@ -74,6 +74,7 @@ __all__ = [
     "step_totals",
     "summarize",
     "transfer_us",
+    "waits_for_others",
 ]
 
 Link = tuple[int, int, str]  # an ordered link: (sending rank, receiving rank, direction)
@@ -343,13 +344,18 @@ def step_totals(traces: dict[int, RankTrace]) -> dict[int, dict[int, StepTotal]]
     return totals
 
 
+def waits_for_others(span: dict[str, Any]) -> bool:
+    """Whether a span is the rank waiting for the other ranks: blocking communication and ``grad-sync``."""
+    return (_blocking(span) and span["cat"] != "data") or span["cat"] == "grad_sync"
+
+
 def blocking_waits_per_step(trace: RankTrace) -> dict[int, float]:
     """Per step: how long (µs) the rank waited for the other ranks inside it, the union of its blocking
     communication and ``grad-sync`` spans. Each is a duration on the rank's own clock: comparing them across
     ranks says who waited for whom without any clock alignment."""
     by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for s in trace.spans:
-        if (_blocking(s) and s["cat"] != "data") or s["cat"] == "grad_sync":
+        if waits_for_others(s):
             if (step := step_of(s)) is not None:
                 by_step[step].append((s["ts"], s["ts"] + s["dur"]))
     waited = {}

@@ -11,7 +11,8 @@ rank's step without any compute of its own, so each is measured apart from the c
   spans), which are kept apart as ``synced``: how long the rank waited there for the others;
 * **host inside steps** (``host_waits_in_steps``): the gaps between a step's traced spans in which the GPU had
   nothing queued (a callback that blocks before the step ends), with the rank's waits for the others inside the
-  step (``measure.blocking_waits_per_step``) as ``synced``;
+  step (``measure.blocking_waits_per_step``) as ``synced``, and how long its stage peers were blocked in
+  communication during those very gaps as ``waited_during``;
 * **waits for a CPU** (``cpu_waits``): how long the training thread was runnable but had no CPU, in the step and
   in the host gap before it (``cpu_wait_us``, ``scan.sched``): another process's time slices, a CPU limit.
 
@@ -35,6 +36,7 @@ from lightning_megatron.scan.measure import (
     covered_length,
     merge_intervals,
     step_of,
+    waits_for_others,
 )
 
 __all__ = ["DataWaits", "cpu_waits", "data_waits", "host_waits_in_steps", "waited_for"]
@@ -50,6 +52,13 @@ class DataWaits:
     samples: dict[int, list[float]] = field(default_factory=dict)
     ends: dict[int, dict[int, float]] = field(default_factory=dict)
     synced: dict[int, dict[int, float]] = field(default_factory=dict)
+    # host waits inside steps: per rank and step, its stage peers' (median) blocking communication during its gaps
+    waited_during: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def without(self, ranks: set[int]) -> DataWaits:
+        """The same waits, less those of ``ranks``."""
+        parts = (self.samples, self.ends, self.synced, self.waited_during)
+        return DataWaits(*({r: v for r, v in part.items() if r not in ranks} for part in parts))
 
 
 def data_waits(traces: dict[int, RankTrace], cat: str = "data") -> DataWaits:
@@ -87,8 +96,15 @@ def host_waits_in_steps(traces: dict[int, RankTrace]) -> DataWaits:
     between the spans of a replayed CUDA graph are never the host's (one launch). The step's tail, after its
     last span, counts where the GPU reached the step's end as soon as the host recorded it. Host-timed traces
     (CPUs) have no GPU to wait: every gap in their steps is the host's. ``synced``: the rank's waits for the
-    others in the same steps (a peer that stalled before the optimizer's all-reduce kept this rank waiting in it)."""
+    others in the same steps (a peer that stalled before the optimizer's all-reduce kept this rank waiting in it).
+
+    ``waited_during``: per rank and step, how long its stage peers (their median) were blocked in communication
+    while its GPU waited for its host, on the aligned clock. ``synced`` sums every wait of the step, and at TP,
+    where the peers meet in hundreds of collectives a step, which of them waits there swings by hundreds of
+    milliseconds from step to step (2 x H200, TP2 + SP: 95-720 ms); the waits that overlap the rank's own gaps
+    are the ones its host caused."""
     waits = DataWaits()
+    gaps: dict[int, dict[int, list[tuple[float, float]]]] = {}
     for rank, trace in traces.items():
         on_gpu = any("queued_us" in (s.get("args") or {}) for s in trace.spans)
         inside: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -100,27 +116,44 @@ def host_waits_in_steps(traces: dict[int, RankTrace]) -> DataWaits:
                 inside[int(step_of(s))].append(s)  # type: ignore[arg-type]
         per_step: dict[int, float] = {}
         end: dict[int, float] = {}
+        own_gaps = gaps[rank] = {}
         for step_span in steps:
             step = int(step_of(step_span))  # type: ignore[arg-type]
             start, stop = step_span["ts"], step_span["ts"] + step_span["dur"]
-            cursor, waited = start, 0.0
+            cursor, starved = start, []
             for s in sorted(inside[step], key=lambda s: s["ts"]):
-                if s["ts"] > cursor and s["ts"] < stop:
-                    waited += (min(s["ts"], stop) - cursor) * _starved(s.get("args") or {}, on_gpu)
+                if s["ts"] > cursor and s["ts"] < stop and _starved(s.get("args") or {}, on_gpu):
+                    starved.append((cursor, s["ts"]))
                 cursor = max(cursor, min(s["ts"] + s["dur"], stop))
             args = step_span.get("args") or {}
             if stop > cursor:
                 queued, enqueue = args.get("queued_us"), args.get("enqueue_us")
                 at_end = None if queued is None or enqueue is None else float(queued) + step_span["dur"] - enqueue
-                waited += (stop - cursor) * (not on_gpu or (at_end is not None and at_end < STARVED_US))
-            per_step[step] = waited
+                if not on_gpu or (at_end is not None and at_end < STARVED_US):
+                    starved.append((cursor, stop))
+            per_step[step] = sum(b - a for a, b in starved)
+            own_gaps[step] = [(a + trace.offset_us, b + trace.offset_us) for a, b in starved]
             end[step] = stop + trace.offset_us
         if per_step:
             waits.samples[rank] = list(per_step.values())
             waits.ends[rank] = end
             others = blocking_waits_per_step(trace)
             waits.synced[rank] = {step: others.get(step, 0.0) for step in per_step}
+    blocked = {rank: _blocking_union(trace) for rank, trace in traces.items() if rank in waits.samples}
+    for rank, by_step in gaps.items():
+        peers = [m for m in blocked if m != rank and traces[m].pp == traces[rank].pp]
+        if peers and rank in waits.samples:
+            waits.waited_during[rank] = {
+                step: statistics.median(sum(covered_length(a, b, blocked[m]) for a, b in spans) for m in peers)
+                for step, spans in by_step.items()
+            }
     return waits
+
+
+def _blocking_union(trace: RankTrace) -> tuple[list[float], list[float]]:
+    """The rank's blocking communication (what ``blocking_waits_per_step`` sums) as one union, aligned clock."""
+    offset = trace.offset_us
+    return merge_intervals((s["ts"] + offset, s["ts"] + s["dur"] + offset) for s in trace.spans if waits_for_others(s))
 
 
 def _starved(args: dict[str, Any], on_gpu: bool) -> bool:
