@@ -139,8 +139,8 @@ def attribute_busy(
     queued the spans in under half their length (``queue_share``), the host was ahead: the GPU ran another
     process's work between them, and it stays ``compute``. Otherwise it becomes ``host`` where its host also
     took longer to queue the same work (``enqueue_us``, same baseline) by ``min_slowdown`` and by half the spans'
-    excess at least (what it explains), and is dropped with a note otherwise (idle time that neither its kernels nor its host explain: a launch-bound job paced by one
-    host, or waits on another stream). Suspects without busy time on both sides are left as they are
+    excess at least (what it explains), and is dropped with a note otherwise (idle time that neither its kernels
+    nor its host explain: a launch-bound job paced by one host, or waits on another stream). Suspects without busy time on both sides are left as they are
     (``attribute_host``)."""
     groups = peer_groups(traces)
     kept = []
