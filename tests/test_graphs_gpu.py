@@ -396,8 +396,8 @@ TWO_GPU_LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2},
     "dp2": {},
     "dp2-distopt-overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
-    # the weight-gradient GEMM accumulating into main_grad, graphed and eager: tp2-gaf passed (2 x H200, 2026-11-27,
-    # bit for bit), so automatic graphs at TP take it; at DP they wait for dp2-gaf (graphs.settings_not_run_graphed)
+    # the weight-gradient GEMM accumulating into main_grad, graphed and eager: tp2-gaf (2 x H200, 2026-11-27) and
+    # dp2-gaf (2026-11-28) passed bit for bit, so graphs.settings_not_run_graphed no longer names it
     "tp2-gaf": {"tensor_model_parallel_size": 2, "gradient_accumulation_fusion": True},
     "dp2-gaf": {"gradient_accumulation_fusion": True},
 }

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lightning_megatron.scan.attribution import attribute_busy
+from lightning_megatron.scan.attribution import attribute_busy, attribute_host
 from lightning_megatron.scan.busy import (
     ANCHOR_NAME,
     MAX_ALIGN_ERROR_US,
@@ -388,6 +388,32 @@ def test_a_host_is_named_only_where_its_queueing_explains_the_idle_time(host_que
     assert [s.kind for s in kept] == ([kind] if kind else []), notes
     if kind is None:
         assert any("+290% in the busy windows" in note and "queueing +9%" in note for note in notes), notes
+
+
+@pytest.mark.parametrize(("host_queueing", "kind"), [(0.10, None), (0.13, None), (0.6, "host"), (1.13, "host")])
+def test_a_host_paced_rank_is_named_host_only_where_its_queueing_explains_the_slowdown(
+    host_queueing: float, kind: str
+) -> None:
+    """Where busy time did not decide (the busy windows missed the slowdown), a host-paced suspect is named
+    ``host`` by its queueing alone, and the same bar holds: a host that queued the work 10-13% slower cannot
+    explain spans 113% longer. On 2x H200, TP2 with sequence parallelism, a rank with 78% host-paced spans
+    against its peer's 26% was named ``host`` so, once for a bursty GPU contention on its peer and once for a
+    memory contention on its own GPU; a host slower by half the excess or more is named."""
+
+    def trace(rank: int) -> RankTrace:
+        enqueue = 100.0 * (1.0 + host_queueing if rank else 1.0)
+        spans = [
+            {"cat": "compute", "name": op, "args": {"enqueue_us": enqueue}} for op in ("attn", "mlp") for _ in range(8)
+        ]
+        return RankTrace(rank=rank, tp=rank, spans=spans)
+
+    traces = {rank: trace(rank) for rank in (0, 1)}
+    suspect = make_suspect(traces[1], "compute", 1.13, {"rule": "per-step net compute, signed-rank test over steps"})
+    notes: list[str] = []
+    kept = attribute_host([suspect], {0: 0.26, 1: 0.78}, traces, min_slowdown=0.08, notes=notes)
+    assert [s.kind for s in kept] == ([kind] if kind else []), notes
+    if kind is None:
+        assert any(f"only {100 * host_queueing:+.0f}% slower" in note and "+113%" in note for note in notes), notes
 
 
 @pytest.mark.parametrize(

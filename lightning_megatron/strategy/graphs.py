@@ -313,26 +313,23 @@ def resolve_accumulation_fusion(
     layer is gone from the step and the GEMM saves the separate add and the bf16 temporary. Eager one-GPU steps of
     GPT-2-medium ran 0.92x with it (host-bound). A graphed TP2 step of a 1.3B GPT ran 1.018x with it (2 x H200,
     ``throughput_gpt-1.3b_tp2_graphed_variants_2xh200.json``) and matched the eager fit bit for bit
-    (``graphs_gpu_pytest_2xh200.json``), so tensor-parallel layouts take it too. Data- and pipeline-parallel
-    graphed steps have run no parity test with it: off there until one has."""
+    (``graphs_gpu_pytest_2xh200.json``), so tensor-parallel layouts take it too; beside 32 NCCL channels it ran
+    1.011x again (465 -> 470 TFLOP/s, 2026-11-28, ``throughput_gpt-1.3b_tp2_gaf_default_2xh200.json``). A graphed
+    DP2 step matched its eager fit bit for bit with it too, but its speed there is unmeasured, and graphed
+    pipelines have run no parity test: automatic stays off at DP and PP until measured (asking for it works)."""
     if requested is not None:
         return requested
     half = params_dtype in (torch.bfloat16, torch.float16)
     return graphs and data_parallel == 1 and pipeline == 1 and half and not on_cpu
 
 
-def settings_not_run_graphed(
-    *, overlap_param_gather: bool, tp_comm_overlap: bool, gradient_accumulation_fusion: bool, data_parallel: int
-) -> tuple[str, ...]:
+def settings_not_run_graphed(*, overlap_param_gather: bool, tp_comm_overlap: bool) -> tuple[str, ...]:
     """The settings on in a multi-process run that no graph parity test (``tests/test_graphs_gpu.py``) has run
     with, for ``resolve_cuda_graphs(unchecked=...)``: megatron-core's parameter all-gather waits inside the forward
     on work started in the optimizer step, and the overlapped and split linears issue their own collectives and
-    GEMMs. The fused weight-gradient GEMM ran at TP2 (bit for bit), not yet beside data-parallel gradient buffers."""
-    named = {
-        "overlap_param_gather": overlap_param_gather,
-        "tp_comm_overlap": tp_comm_overlap,
-        "gradient_accumulation_fusion": gradient_accumulation_fusion and data_parallel > 1,
-    }
+    GEMMs. The fused weight-gradient GEMM is not among them: graphed and eager fits matched bit for bit at TP2
+    (2 x H200, 2026-11-27) and at DP2 (2026-11-28), ``graphs_gpu_pytest_2xh200.json``."""
+    named = {"overlap_param_gather": overlap_param_gather, "tp_comm_overlap": tp_comm_overlap}
     return tuple(name for name, on in named.items() if on)
 
 

@@ -347,8 +347,6 @@ class MegatronAppStrategy(ParallelStrategy):
             unchecked=settings_not_run_graphed(
                 overlap_param_gather=self._ddp_kwargs.get("overlap_param_gather", False),
                 tp_comm_overlap=self.tp_comm_overlap is not None,
-                gradient_accumulation_fusion=self.gradient_accumulation_fusion is True,
-                data_parallel=data_parallel,
             )
             if self.world_size > 1
             else (),
