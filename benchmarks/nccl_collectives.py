@@ -15,6 +15,11 @@ protocol (``Simple``, ``LL128``, ``LL``: ``NCCL_PROTO``), or environment variabl
 several joined by commas). ``--nccl-info`` keeps NCCL's log of its set-up and tuning from the first default run:
 how the GPUs are connected, the channels, the algorithm and protocol of each call.
 
+``--ops`` may also name torch's symmetric-memory all-reduces (``symm_one_shot``, ``symm_two_shot``: each rank
+reads its peers' buffers over NVLink with its own kernel, no NCCL), the candidates for the tensor-parallel
+all-reduce where NCCL's ring is what limits the step; GPUs only, and an op that fails records its error and
+leaves the others to run. megatron-core's own switch for them (``symmetric_ar_type``) needs Transformer Engine.
+
 Every setting runs in its own processes (NCCL reads its environment when it starts), one after another, the order
 reversed every other round; a size's figure is the median over its rounds.
 """
@@ -35,9 +40,13 @@ from provenance import provenance  # noqa: E402  (benchmarks/ is the script's di
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-# nccl-tests' bus bandwidth: the bytes each rank's link carries per byte of the message, for n ranks
+SYMMETRIC_OPS = ("symm_one_shot", "symm_two_shot")  # torch.ops.symm_mem all-reduces (GPUs only)
+# nccl-tests' bus bandwidth: the bytes each rank's link carries per byte of the message, for n ranks (the
+# symmetric-memory all-reduces are given the ring's factor, so that a figure compares with NCCL's at one size)
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n}
 BUS_FACTOR["all_gather"] = BUS_FACTOR["reduce_scatter"]
+for _op in SYMMETRIC_OPS:
+    BUS_FACTOR[_op] = BUS_FACTOR["all_reduce"]
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -57,12 +66,19 @@ def _worker(spec: dict[str, Any]) -> None:
         for mib in spec["sizes_mib"]:
             item = torch.empty((), dtype=dtype).element_size()
             elements = int(mib * 2**20) // item // world * world  # divisible by the ranks
-            full = torch.ones(elements, dtype=dtype, device=device)
-            shard = torch.ones(elements // world, dtype=dtype, device=device)
-            call = _collective(op, full, shard)
-            for _ in range(spec["warmup"]):
-                call()
-            times = _timed(call, spec["iterations"], on_gpu)
+            try:
+                if op in SYMMETRIC_OPS:
+                    call = _symmetric_all_reduce(op, elements, dtype, device)
+                else:
+                    full = torch.ones(elements, dtype=dtype, device=device)
+                    shard = torch.ones(elements // world, dtype=dtype, device=device)
+                    call = _collective(op, full, shard)
+                for _ in range(spec["warmup"]):
+                    call()
+                times = _timed(call, spec["iterations"], on_gpu)
+            except Exception as error:  # an API this torch lacks: say so, and time the other ops
+                rows.append({"op": op, "mib": mib, "us": None, "error": f"{type(error).__name__}: {error}"[:500]})
+                continue
             seconds = statistics.median(times)
             bus = BUS_FACTOR[op](world) * elements * item / seconds / 1e9
             rows.append({"op": op, "mib": mib, "us": seconds * 1e6, "bus_gb_s": bus})
@@ -80,6 +96,23 @@ def _collective(op: str, full: Any, shard: Any) -> Any:
     if op == "reduce_scatter":
         return lambda: dist.reduce_scatter_tensor(shard, full)
     return lambda: dist.all_gather_into_tensor(full, shard)
+
+
+def _symmetric_all_reduce(op: str, elements: int, dtype: Any, device: Any) -> Any:
+    """A call of torch's symmetric-memory all-reduce on a buffer every rank allocated from symmetric memory and
+    exchanged handles for (``rendezvous``): one-shot (each rank reads every peer's whole buffer and sums) or
+    two-shot (each reduces its share, then gathers the others'), in place."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    buffer = symm_mem.empty(elements, dtype=dtype, device=device)
+    buffer.fill_(1)
+    symm_mem.rendezvous(buffer, dist.group.WORLD)
+    if op == "symm_one_shot":
+        return lambda: torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", group_name)
+    return lambda: torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", group_name)
 
 
 def _timed(call: Any, iterations: int, on_gpu: bool) -> list[float]:
@@ -143,7 +176,12 @@ def _launch(
     if proc.returncode != 0 or len(ranks) != gpus:
         return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
     # a collective ends when its slowest rank's does: the slowest rank's median per op and size
-    return [max((r[i] for r in ranks), key=lambda row: row["us"]) for i in range(len(ranks[0]))]
+    return [max((r[i] for r in ranks), key=_slowest) for i in range(len(ranks[0]))]
+
+
+def _slowest(row: dict[str, Any]) -> float:
+    """The sort key of a rank's row: its time, a failed op first (its error is what to show)."""
+    return float("inf") if row["us"] is None else row["us"]
 
 
 def main() -> int:
@@ -156,7 +194,7 @@ def main() -> int:
         help="default, a protocol, or NCCL_VAR=value[,NCCL_VAR=value]",
     )
     parser.add_argument("--sizes-mib", nargs="+", type=float, default=[1, 4, 16, 32, 64, 256])
-    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--ops", nargs="+", choices=OPS + SYMMETRIC_OPS, default=list(OPS))
     parser.add_argument("--gpus", type=int, default=None, help="processes (default: every GPU; 2 on CPU)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=20)
@@ -177,6 +215,8 @@ def main() -> int:
     gpus = args.gpus or (2 if args.cpu_dry_run else torch.cuda.device_count())
     if gpus < 2:
         raise SystemExit("nccl_collectives.py needs 2 or more GPUs (or --cpu-dry-run)")
+    if args.cpu_dry_run and set(args.ops) & set(SYMMETRIC_OPS):
+        raise SystemExit(f"--ops {' '.join(SYMMETRIC_OPS)}: symmetric memory needs GPUs; leave them out of a CPU run")
     sizes = [0.25, 1.0] if args.cpu_dry_run else args.sizes_mib
     spec = {"cpu": args.cpu_dry_run, "ops": args.ops, "sizes_mib": sizes, "warmup": 5, "iterations": args.iterations}
     report: dict[str, Any] = {
@@ -212,8 +252,12 @@ def _summary(results: list[Any]) -> list[dict[str, Any]] | dict[str, Any]:
     if not good:
         return results[-1]
     out = []
-    for i, row in enumerate(good[0]):
-        per_round = [g[i]["us"] for g in good]
+    for i in range(len(good[0])):
+        timed = [g[i] for g in good if g[i]["us"] is not None]
+        if not timed:
+            out.append(good[0][i])  # the op failed in every round: its error
+            continue
+        row, per_round = timed[0], [t["us"] for t in timed]
         median = statistics.median(per_round)
         bus = row["bus_gb_s"] * row["us"] / median
         out.append({**row, "us": round(median, 2), "bus_gb_s": round(bus, 1), "us_by_round": per_round})
