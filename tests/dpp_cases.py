@@ -146,7 +146,7 @@ class _FusedLayers(pl.Callback):
         self.count: Optional[int] = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        fused = trainer.strategy._fused_linears
+        fused = trainer.strategy.tp_layers.split_linears
         self.count = None if fused is None else len(fused.modules)
 
 

@@ -257,10 +257,12 @@ def probe(module):
     strategy = module.trainer.strategy
     graph = strategy.step_graph
     accumulation = {"resolved": strategy.fuses_gradient_accumulation, **fused_accumulation_status()}
+    symmetric = strategy.tp_layers.symmetric_all_reduce
+    symmetric = None if symmetric is None else {"calls": symmetric.calls, "fallbacks": symmetric.fallbacks}
     if graph is None:
-        return {"graph": None, "accumulation": accumulation}
+        return {"graph": None, "accumulation": accumulation, "symmetric_all_reduce": symmetric}
     graph = {"captures": graph.captures, "replays": graph.replays, "gave_up_because": graph.gave_up_because}
-    return {"graph": graph, "accumulation": accumulation}
+    return {"graph": graph, "accumulation": accumulation, "symmetric_all_reduce": symmetric}
 
 start = time.perf_counter()
 with warnings.catch_warnings(record=True) as caught:
@@ -391,11 +393,11 @@ def test_by_default_a_step_that_cannot_be_captured_warns_and_trains_eagerly(tmp_
     assert legacy["default"]["loss"][-1] < legacy["default"]["loss"][0]
 
 
-TWO_GPU_LAYOUTS = {
-    "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-    "tp2": {"tensor_model_parallel_size": 2},
-    "dp2": {},
-    "dp2-distopt-overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
+TWO_GPU_LAYOUTS = {  # the graph alone (the fused weight-gradient GEMM, automatic with graphs, pinned off) ...
+    "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True, **PLAIN_ACCUMULATION},
+    "tp2": {"tensor_model_parallel_size": 2, **PLAIN_ACCUMULATION},
+    "dp2": PLAIN_ACCUMULATION,
+    "dp2-distopt-overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, **PLAIN_ACCUMULATION},
     # the weight-gradient GEMM accumulating into main_grad, graphed and eager: tp2-gaf (2 x H200, 2026-11-27) and
     # dp2-gaf (2026-11-28) passed bit for bit, so graphs.settings_not_run_graphed no longer names it
     "tp2-gaf": {"tensor_model_parallel_size": 2, "gradient_accumulation_fusion": True},
@@ -415,3 +417,24 @@ def test_two_gpu_fit_matches_eager(layout: str, tmp_path: Path) -> None:
     assert results["max_rel_loss_diff"] < 1e-5, results
     if "gaf" in layout:  # both fits took the fused weight-gradient GEMM
         assert results["on"]["accumulation"]["resolved"] and results["off"]["accumulation"]["resolved"], results
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_symmetric_all_reduce_matches_nccl(tmp_path: Path) -> None:
+    """``symmetric_ar_type="two_shot"`` at TP2, graphed and eager, against NCCL's eager fit: the same losses in every
+    bit (two ranks: each element is one addition, rounded once, on both paths), the kernels captured into the graph
+    and replayed, and every row-parallel all-reduce taken by them (the buffer grows in the eager warm-up steps, so
+    none falls back to NCCL inside the capture)."""
+    tp2 = {"devices": 2, "tensor_model_parallel_size": 2, **PLAIN_ACCUMULATION}
+    nccl = _fits(GPT2_STYLE, tp2, {"off": ("off", "gpt")})["off"]
+    results = _fits(GPT2_STYLE, {**tp2, "symmetric_ar_type": "two_shot"}, {"off": ("off", "gpt"), "on": ("on", "gpt")})
+    results["nccl"] = nccl
+    for name in ("off", "on"):
+        results[f"max_rel_loss_diff_{name}_vs_nccl"] = _max_rel(results[name]["loss"], nccl["loss"])
+    _record(tmp_path, "fit/gpt2-style-tp2-symmetric-two-shot-bf16", results)
+    assert results["on"]["graph"] == REPLAYED, results
+    assert nccl["symmetric_all_reduce"] is None
+    for name in ("off", "on"):
+        counts = results[name]["symmetric_all_reduce"]
+        assert counts["calls"] > 0 and counts["fallbacks"] == 0, (name, counts)
+        assert results[f"max_rel_loss_diff_{name}_vs_nccl"] == 0.0, results

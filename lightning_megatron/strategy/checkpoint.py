@@ -27,7 +27,14 @@ from megatron.core import dist_checkpointing
 
 from lightning_megatron.compat.megatron import use_in_process_checkpoint_results
 
-__all__ = ["DistCheckpointIO", "CONFIG_KEY", "SHARDED_KEYS", "drop_unused_callback_states"]
+__all__ = [
+    "DistCheckpointIO",
+    "CONFIG_KEY",
+    "SHARDED_KEYS",
+    "drop_unused_callback_states",
+    "load_sharded",
+    "model_sharded_state_dict",
+]
 
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
@@ -99,6 +106,37 @@ class DistCheckpointIO(CheckpointIO):
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
+
+
+def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """The model's part of a checkpoint: every chunk's megatron-core sharded state dict, ``chunk{i}``."""
+    return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def load_sharded(
+    io: CheckpointIO,
+    path: Any,
+    chunks: Sequence[torch.nn.Module],
+    optimizer: Optional[Any],
+    *,
+    fitting: bool,
+    callbacks: Sequence[Any],
+    weights_only: Optional[bool] = None,
+) -> dict[str, Any]:
+    """Lightning's ``load_checkpoint`` for the strategy: megatron-core's loader fills a template of this layout's
+    sharded state dicts (the model's, and the optimizer's when ``fitting`` with one: a strategy optimizer's
+    ``sharded_state_dict``), so a checkpoint saved at another layout loads here; a load that does not resume a
+    fit drops the callback states nobody reads (:func:`drop_unused_callback_states`)."""
+    template: dict[str, Any] = {"state_dict": model_sharded_state_dict(chunks)}
+    if optimizer is not None and fitting:
+        template["optimizer_states"] = [optimizer.sharded_state_dict(template["state_dict"], is_loading=True)]
+    if isinstance(io, DistCheckpointIO):
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only, sharded_state_dict=template)
+    else:
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+    if not fitting:
+        drop_unused_callback_states(checkpoint, callbacks)
+    return checkpoint
 
 
 def drop_unused_callback_states(checkpoint: dict[str, Any], callbacks: Sequence[Any]) -> None:

@@ -303,24 +303,23 @@ def resolve_accumulation_fusion(
     graphs: bool,
     on_cpu: bool,
     params_dtype: torch.dtype,
-    data_parallel: int = 1,
     pipeline: int = 1,
 ) -> bool:
     """Whether the weight-gradient GEMMs accumulate into ``main_grad`` (``gradient_accumulation_fusion``).
     ``True``/``False`` are the user's; ``None`` (automatic) turns it on with the graph, where it was measured
-    faster: a step replayed as a CUDA graph in one process with half-precision weights (GPT-2-medium 1.02x and a
-    Llama-style 0.85B 1.01-1.03x, one H100, ``throughput_1gpu_gaf_graphs*_h100.json``), where the host's extra work per
-    layer is gone from the step and the GEMM saves the separate add and the bf16 temporary. Eager one-GPU steps of
-    GPT-2-medium ran 0.92x with it (host-bound). A graphed TP2 step of a 1.3B GPT ran 1.018x with it (2 x H200,
-    ``throughput_gpt-1.3b_tp2_graphed_variants_2xh200.json``) and matched the eager fit bit for bit
-    (``graphs_gpu_pytest_2xh200.json``), so tensor-parallel layouts take it too; beside 32 NCCL channels it ran
-    1.011x again (465 -> 470 TFLOP/s, 2026-11-28, ``throughput_gpt-1.3b_tp2_gaf_default_2xh200.json``). A graphed
-    DP2 step matched its eager fit bit for bit with it too, but its speed there is unmeasured, and graphed
-    pipelines have run no parity test: automatic stays off at DP and PP until measured (asking for it works)."""
+    faster: a step replayed as a CUDA graph with half-precision weights, where the host's extra work per layer is
+    gone from the step and the GEMM saves the separate add and the bf16 temporary. One H100: GPT-2-medium 1.02x,
+    a Llama-style 0.85B 1.01-1.03x (``throughput_1gpu_gaf_graphs*_h100.json``). 2 x H200: a 1.3B GPT at TP2
+    1.018x, and 1.011x again beside 32 NCCL channels (``throughput_gpt-1.3b_tp2_*_2xh200.json``); GPT-2-medium
+    at DP2 1.029x, every round of three faster (420.5 -> 432.6 TFLOP/s median, 2026-11-28,
+    ``throughput_gpt2-medium_dp2_gaf_2xh200.json``). Graphed and eager fits matched bit for bit with it at TP2
+    and DP2 (``graphs_gpu_pytest_2xh200.json``). Eager one-GPU steps of GPT-2-medium ran 0.92x with it
+    (host-bound), so it stays off without the graph; graphed pipelines have run no parity test with it, so
+    automatic stays off at PP until one has (asking for it works)."""
     if requested is not None:
         return requested
     half = params_dtype in (torch.bfloat16, torch.float16)
-    return graphs and data_parallel == 1 and pipeline == 1 and half and not on_cpu
+    return graphs and pipeline == 1 and half and not on_cpu
 
 
 def settings_not_run_graphed(*, overlap_param_gather: bool, tp_comm_overlap: bool) -> tuple[str, ...]:

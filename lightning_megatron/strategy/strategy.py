@@ -31,7 +31,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
@@ -41,8 +41,7 @@ from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sy
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
-from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
-from lightning_megatron.strategy.checkpoint import DistCheckpointIO, drop_unused_callback_states
+from lightning_megatron.strategy.checkpoint import DistCheckpointIO, load_sharded, model_sharded_state_dict
 from lightning_megatron.strategy.chunks import ddp_options, install_config_hooks, unwrap, validated_chunks, wrap_ddp
 from lightning_megatron.strategy.collectives import (
     barrier,
@@ -70,6 +69,7 @@ from lightning_megatron.strategy.precision import MegatronPrecision, from_lightn
 from lightning_megatron.strategy.release import collect_previous_fits, release_training_state
 from lightning_megatron.strategy.step import StepOutput
 from lightning_megatron.strategy.stepping import StepRunner
+from lightning_megatron.strategy.tp_layers import TensorParallelLayers, symmetric_ar_option
 
 __all__ = ["MegatronAppStrategy"]
 
@@ -101,13 +101,16 @@ class MegatronAppStrategy(ParallelStrategy):
             that accumulates into the fp32 ``main_grad`` (GPUs, bf16/fp16), without the half-precision temporary
             and the separate add; what megatron-core's flag of that name does with apex, here without apex
             (:mod:`lightning_megatron.pipeline.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
-            Unset: on with a CUDA-graphed step in one process or tensor-parallel only, where it was measured
+            Unset: on with a CUDA-graphed step outside pipelines (one GPU, TP, DP), where it was measured
             faster (:func:`~lightning_megatron.strategy.graphs.resolve_accumulation_fusion`).
         tp_comm_overlap: Overlap the tensor-parallel all-gathers, reduce-scatters and all-reduces of every
             ``ColumnParallelLinear`` / ``RowParallelLinear`` with their GEMMs (chunked collective matmul over NCCL,
             no Transformer Engine; :mod:`lightning_megatron.pipeline.tp_overlap`). Same results; ignored (with a
             warning) at TP 1.
         tp_comm_overlap_chunks: With ``tp_comm_overlap``: pieces the token dimension of each GEMM is cut into.
+        symmetric_ar_type: ``"two_shot"`` or ``"one_shot"``: megatron-core's tensor-parallel all-reduces (the
+            row-parallel layers' outputs) on torch's symmetric memory instead of NCCL (GPUs of one node, TP > 1
+            without sequence parallelism; :mod:`lightning_megatron.compat.symmetric_all_reduce`). Unset: NCCL.
         ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
@@ -146,6 +149,7 @@ class MegatronAppStrategy(ParallelStrategy):
         gradient_accumulation_fusion: Optional[bool] = None,
         tp_comm_overlap: bool = False,
         tp_comm_overlap_chunks: int = 2,
+        symmetric_ar_type: Optional[str] = None,
         ddp_bucket_size: Optional[int] = None,
         deallocate_pipeline_outputs: bool = True,
         cuda_graphs: Optional[bool] = None,
@@ -195,7 +199,8 @@ class MegatronAppStrategy(ParallelStrategy):
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self._accumulation_fusion = bool(gradient_accumulation_fusion)  # resolved in setup_environment
         self.tp_comm_overlap = tp_comm_overlap_options(tp_comm_overlap, tp_comm_overlap_chunks, self.layout.tensor)
-        self._fused_linears: Optional[SplitLinears] = None  # installed for a fit, restored at teardown
+        self.symmetric_ar_type = symmetric_ar_option(symmetric_ar_type, self.layout.tensor, sequence_parallel)
+        self.tp_layers = TensorParallelLayers()  # installed for a fit, restored at teardown
         named_ddp = dict(
             grad_reduce_in_fp32=grad_reduce_in_fp32,
             overlap_grad_reduce=overlap_grad_reduce,
@@ -356,7 +361,6 @@ class MegatronAppStrategy(ParallelStrategy):
             graphs=self._graphs,
             on_cpu=on_cpu,
             params_dtype=self.precision_plugin.params_dtype,
-            data_parallel=data_parallel,
             pipeline=self.layout.pipeline,
         )
         self._init_process_group(backend, on_cpu)
@@ -411,16 +415,15 @@ class MegatronAppStrategy(ParallelStrategy):
         if wrapped_before != chunks or needs_ddp:
             wrapped = [self.precision_plugin.convert_module(c) for c in chunks]
             self._chunks = wrap_ddp(wrapped, self._ddp_kwargs) if fitting else wrapped
-        if fitting and (self._accumulation_fusion or self.tp_comm_overlap) and self._fused_linears is None:
-            self._fused_linears = split_linears(  # outside a zero-bubble step W runs inside B
-                self._chunks, overlap=self.tp_comm_overlap, accumulate=self._accumulation_fusion
+        if fitting:
+            self.tp_layers.install(
+                self._chunks,
+                accumulate=self._accumulation_fusion,
+                overlap=self.tp_comm_overlap,
+                symmetric_ar_type=self.symmetric_ar_type,
+                tp_group=parallel_state.get_tensor_model_parallel_group(),
+                on_cpu=self.parallel.on_cpu,
             )
-            if self.tp_comm_overlap and not self._fused_linears.modules:
-                rank_zero_warn(
-                    "`tp_comm_overlap=True` found no megatron-core ColumnParallelLinear/RowParallelLinear to overlap "
-                    "(Transformer Engine layers, or apex's gradient_accumulation_fusion in the model config); it "
-                    "does nothing here."
-                )
         self._install_config_hooks()
         if fitting:
             self.setup_optimizers(trainer)
@@ -537,8 +540,7 @@ class MegatronAppStrategy(ParallelStrategy):
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _model_sharded_state_dict(self) -> dict[str, Any]:
-        chunks = self.lightning_module.model_chunks
-        return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return model_sharded_state_dict(self.lightning_module.model_chunks)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self._model_sharded_state_dict()
@@ -553,18 +555,16 @@ class MegatronAppStrategy(ParallelStrategy):
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        template: dict[str, Any] = {"state_dict": self._model_sharded_state_dict()}
-        optimizer = self._optimizer
-        if optimizer is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            template["optimizer_states"] = [optimizer.sharded_state_dict(template["state_dict"], is_loading=True)]
-        load = self.checkpoint_io.load_checkpoint
-        if isinstance(self.checkpoint_io, DistCheckpointIO):
-            checkpoint = load(checkpoint_path, weights_only=weights_only, sharded_state_dict=template)
-        else:
-            checkpoint = load(checkpoint_path, weights_only=weights_only)
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            drop_unused_callback_states(checkpoint, self.lightning_module.trainer.callbacks)
-        return checkpoint
+        trainer = self.lightning_module.trainer
+        return load_sharded(
+            self.checkpoint_io,
+            checkpoint_path,
+            self.lightning_module.model_chunks,
+            self._optimizer,
+            fitting=trainer.state.fn == TrainerFn.FITTING,
+            callbacks=trainer.callbacks,
+            weights_only=weights_only,
+        )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
@@ -578,9 +578,7 @@ class MegatronAppStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         self._steps.close()
-        if self._fused_linears is not None:
-            self._fused_linears.restore()
-            self._fused_linears = None
+        self.tp_layers.restore()
         release_training_state(
             self._chunks, {id(get_model_config(c)): get_model_config(c) for c in self._chunks}.values()
         )
