@@ -8,8 +8,8 @@ A compute span is GPU wall time between two events, so a slower GPU, kernels tim
 and a host that queued the work late all make it longer. Two measurements tell them apart:
 
 * **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.busy``, ``scan.gpu_measure``): the
-  suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer are the
-  GPU's own work (``compute``); an excess made of idle time between kernels is the host's, if its host also took
+  suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer, over
+  all or against its peers in any one sampled step, are the GPU's own work (``compute``); an excess made of idle time between kernels is the host's, if its host also took
   longer to queue the same work, by enough to explain the excess, and nobody's otherwise.
 * **Queue fields** (``attribute_host``, elsewhere): a rank whose GPU started most spans as soon as its host queued
   them was paced by its host; it is named ``host`` only if that host queued the same ops slower than its peers'.
@@ -136,8 +136,10 @@ def attribute_busy(
     stage's peers per step, or per op where fewer than 3 steps have busy time everywhere; the other lone stages
     per layer part; its own earlier steps): ``busy_excess``; only if the same spans in those windows were slower
     too (the span excess; else the windows missed the slowdown and the suspect is kept as named, with
-    ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``. Below that,
-    its excess is time the GPU did not run the rank's kernels. On layer parts across stages, where the host
+    ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``, and so does as
+    much in any one sampled step against its peers (``busy_window_excess``: a GPU slowed in bursts; nothing on
+    the host lengthens a rank's own kernels). Below that, its excess is time the GPU did not run the rank's
+    kernels. On layer parts across stages, where the host
     queued the spans in under half their length (``queue_share``), the host was ahead: the GPU ran another
     process's work between them, and it stays ``compute``. Otherwise it becomes ``host`` where its host also
     took longer to queue the same work (``enqueue_us``, same baseline) by ``min_slowdown`` and by half the spans'
@@ -168,6 +170,21 @@ def attribute_busy(
         )
         if busy_excess >= min_slowdown:
             evidence["why_compute"] = f"its GPU's kernels took {busy_excess:+.0%} longer than on {basis}"
+            kept.append(suspect)
+            continue
+        window = compared.window_excess
+        if window is not None and window >= min_slowdown:
+            # Kernels longer than the peers' in one sampled window: only the GPU makes a rank's own kernels longer
+            # (a host, a loader or the CPU cannot), so the GPU was slowed part of the time, and the slower queueing
+            # is what a shared GPU does to the launches of a host-paced step (2x H200, eager DP2, another process
+            # on the GPU 0.3 s on and 0.3 s off: kernels +13% to +75% in one of two windows, 0-1% in the other,
+            # host queueing +24-29%; every fit without a GPU fault stayed within +2% in each window).
+            evidence["busy_window_excess"] = round(window, 4)
+            evidence["why_compute"] = (
+                f"its GPU's kernels took {window:+.0%} longer than its peers' in one sampled step ({busy_excess:+.0%} "
+                "over all): its GPU was slowed part of the time (another process, bursts); a host cannot make its "
+                "own kernels longer"
+            )
             kept.append(suspect)
             continue
         if host_excess is not None:
@@ -213,6 +230,7 @@ class _BusyComparison:
     base_us: float
     span_excess: float  # the same spans' net lengths compared the same way: did the sampled windows catch it?
     queue_share: Optional[float] = None  # own queueing time over own span time (GPU-paced layer parts)
+    window_excess: Optional[float] = None  # the largest busy excess over the peers in one sampled step
 
 
 def _busy_comparison(
@@ -266,18 +284,29 @@ def _busy_comparison(
     if not peers:
         return None
     steps = sorted(set(own.busy_per_step).intersection(*(p.busy_per_step for p in peers)))
+    window = _largest_step_excess(own.busy_per_step, [p.busy_per_step for p in peers], steps)
     if len(steps) >= _BUSY_MIN_STEPS:
         found = _step_excess(own.busy_per_step, [p.busy_per_step for p in peers], steps)
         spans = _step_excess(own.span_per_step, [p.span_per_step for p in peers], steps)
         queued = [s for s in steps if s in own.enqueue_per_step and all(s in p.enqueue_per_step for p in peers)]
         host = _step_excess(own.enqueue_per_step, [p.enqueue_per_step for p in peers], queued) if queued else None
-        return _BusyComparison(found[0], host[0] if host else None, "its peers per step", found[1], found[2], spans[0])
+        return _BusyComparison(
+            found[0], host[0] if host else None, "its peers per step", found[1], found[2], spans[0], None, window
+        )
     found = _key_excess(own.busy_per_key, [p.busy_per_key for p in peers])
     spans = _key_excess(own.span_per_key, [p.span_per_key for p in peers])
     if found is None or spans is None:
         return None
     host = _key_excess(own.enqueue_per_key, [p.enqueue_per_key for p in peers])
-    return _BusyComparison(found[0], host[0] if host else None, "its peers per op", found[1], found[2], spans[0])
+    return _BusyComparison(
+        found[0], host[0] if host else None, "its peers per op", found[1], found[2], spans[0], None, window
+    )
+
+
+def _largest_step_excess(own: dict[int, float], peers: list[dict[int, float]], steps: list[int]) -> Optional[float]:
+    """The largest own / the peers' lower-half median, minus 1, over ``steps`` (None without any)."""
+    ratios = [own[s] / base - 1.0 for s in steps if (base := lower_half_median([p[s] for p in peers])) > 0]
+    return max(ratios) if ratios else None
 
 
 def _step_excess(own: dict[int, float], peers: list[dict[int, float]], steps: list[int]) -> tuple[float, float, float]:
