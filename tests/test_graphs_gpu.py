@@ -423,9 +423,11 @@ def test_two_gpu_fit_matches_eager(layout: str, tmp_path: Path) -> None:
 def test_two_gpu_symmetric_all_reduce_matches_nccl(tmp_path: Path) -> None:
     """``symmetric_ar_type="two_shot"`` at TP2, graphed and eager, against NCCL's eager fit: the same losses in every
     bit (two ranks: each element is one addition, rounded once, on both paths), the kernels captured into the graph
-    and replayed, and every row-parallel all-reduce taken by them (the buffer grows in the eager warm-up steps, so
-    none falls back to NCCL inside the capture)."""
-    tp2 = {"devices": 2, "tensor_model_parallel_size": 2, **PLAIN_ACCUMULATION}
+    and replayed, and every all-reduce taken by them, the row-parallel outputs' and the input gradients' (the buffer
+    grows in the eager warm-up steps, so none falls back to NCCL inside the capture)."""
+    # the project's backward on every linear (the default with the graph at TP), so the input gradients' all-reduces
+    # take the symmetric path too
+    tp2 = {"devices": 2, "tensor_model_parallel_size": 2, "gradient_accumulation_fusion": True}
     nccl = _fits(GPT2_STYLE, tp2, {"off": ("off", "gpt")})["off"]
     results = _fits(GPT2_STYLE, {**tp2, "symmetric_ar_type": "two_shot"}, {"off": ("off", "gpt"), "on": ("on", "gpt")})
     results["nccl"] = nccl

@@ -2,7 +2,8 @@
 (``compat/symmetric_all_reduce.py``, ``strategy/tp_layers.py``).
 
 On CPUs (gloo, real forked ranks): the replacement sits where megatron-core's layers look ``_reduce`` up, so
-``reduce_from_tensor_model_parallel_region`` over the installed group reaches it; a tensor it cannot take (not
+``reduce_from_tensor_model_parallel_region`` over the installed group reaches it, and so does the input gradient of
+a layer with the project's backward (``pipeline.wgrad``); a tensor it cannot take (not
 CUDA) goes to the collective it replaced and comes back summed, counted as a fallback; another group passes
 through uncounted; ``restore`` puts megatron-core's function back, also after a second install. Bad settings fail
 when the strategy is built, naming the parameter; where there is nothing to replace it warns and is off; on CPUs
@@ -26,6 +27,7 @@ from megatron.core.tensor_parallel import mappings
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.compat import symmetric_all_reduce
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.pipeline.wgrad import _SplitLinear
 from lightning_megatron.strategy.tp_layers import TensorParallelLayers
 
 ORIGINAL = mappings._reduce
@@ -42,16 +44,26 @@ def _routes_and_restores() -> dict[str, Any]:
     try:
         summed = mappings.reduce_from_tensor_model_parallel_region(torch.full((4, 8), float(rank + 1)), group)
         passed = mappings.reduce_from_tensor_model_parallel_region(torch.ones(3), other)
+        forward_counts = {"calls": handle.calls, "fallbacks": handle.fallbacks}
+        # a column-parallel layer with the project's backward: its input gradient goes through the replacement too
+        x = torch.ones(2, 3, requires_grad=True)
+        weight = torch.nn.Parameter(torch.full((4, 3), float(rank + 1)))
+        _SplitLinear.apply(x, weight, None, True, False, group, False).sum().backward()
         counts = {"calls": handle.calls, "fallbacks": handle.fallbacks}
         installed = mappings._reduce is handle and handle._original is ORIGINAL and first._original is ORIGINAL
+        found = (
+            symmetric_all_reduce.installed_for(group) is handle and symmetric_all_reduce.installed_for(other) is None
+        )
     finally:
         handle.restore()
     return {
         "summed": summed.unique().tolist(),
         "passed": passed.unique().tolist(),
+        "input_grad": x.grad.unique().tolist(),
+        "forward_counts": forward_counts,
         "counts": counts,
-        "installed": installed,
-        "restored": mappings._reduce is ORIGINAL,
+        "installed": installed and found,
+        "restored": mappings._reduce is ORIGINAL and symmetric_all_reduce.installed_for(group) is None,
     }
 
 
@@ -59,7 +71,10 @@ def test_megatron_reductions_over_the_group_reach_the_replacement(ranks: Any) ->
     for result in ranks.run(2, _routes_and_restores):
         assert result["installed"] and result["restored"], result
         assert result["summed"] == [3.0] and result["passed"] == [2.0], result  # gloo's sums, as before
-        assert result["counts"] == {"calls": 0, "fallbacks": 1}, result  # a CPU tensor: NCCL's path (gloo here)
+        # CPU tensors: NCCL's path (gloo here), counted; the backward's input gradient too
+        assert result["forward_counts"] == {"calls": 0, "fallbacks": 1}, result
+        assert result["counts"] == {"calls": 0, "fallbacks": 2}, result
+        assert result["input_grad"] == [4.0 * 1 + 4.0 * 2], result  # the column sums of both ranks' weights
 
 
 @pytest.mark.parametrize(

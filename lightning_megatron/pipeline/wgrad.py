@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from lightning_megatron.compat import symmetric_all_reduce
 from lightning_megatron.pipeline.tp_overlap import column_linear, row_forward
 from lightning_megatron.pipeline.wgrad_accumulate import weight_grad
 
@@ -73,11 +74,13 @@ class _SplitLinear(torch.autograd.Function):
         if gathering is not None:
             gathering.wait()
         reducing = None
+        # ``symmetric_ar_type``: the all-reduce on symmetric memory, on this stream after the weight-gradient GEMM
+        symmetric = symmetric_all_reduce.installed_for(tp_group) if ctx.allreduce_dgrad else None
         if ctx.sequence_parallel:
             sub_grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device)
             reducing = dist.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group, async_op=True)
             grad_input = sub_grad_input
-        elif ctx.allreduce_dgrad:
+        elif ctx.allreduce_dgrad and symmetric is None:
             reducing = dist.all_reduce(grad_input, group=tp_group, async_op=True)
         # the bias gradient over the 2-D view, as megatron-core sums it (a sum over dim 0 of the 3-D gradient
         # leaves autograd a second reduction: other bf16 rounding, and one more kernel)
@@ -85,6 +88,8 @@ class _SplitLinear(torch.autograd.Function):
         placeholder = weight_grad(weight, grad_output, total_input, ctx.accumulate)
         if reducing is not None:
             reducing.wait()
+        elif symmetric is not None and not ctx.sequence_parallel:
+            symmetric(grad_input, tp_group)
         return grad_input, placeholder, grad_bias, None, None, None, None
 
 

@@ -108,9 +108,11 @@ class MegatronAppStrategy(ParallelStrategy):
             no Transformer Engine; :mod:`lightning_megatron.pipeline.tp_overlap`). Same results; ignored (with a
             warning) at TP 1.
         tp_comm_overlap_chunks: With ``tp_comm_overlap``: pieces the token dimension of each GEMM is cut into.
-        symmetric_ar_type: ``"two_shot"`` or ``"one_shot"``: megatron-core's tensor-parallel all-reduces (the
-            row-parallel layers' outputs) on torch's symmetric memory instead of NCCL (GPUs of one node, TP > 1
-            without sequence parallelism; :mod:`lightning_megatron.compat.symmetric_all_reduce`). Unset: NCCL.
+        symmetric_ar_type: ``"two_shot"`` or ``"one_shot"``: the tensor-parallel all-reduces (the row-parallel
+            layers' outputs; the input gradients too where the layers run this project's backward, as with
+            ``gradient_accumulation_fusion``) on torch's symmetric memory instead of NCCL (GPUs of one node,
+            TP > 1 without sequence parallelism; :mod:`lightning_megatron.compat.symmetric_all_reduce`).
+            Unset: NCCL.
         ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
