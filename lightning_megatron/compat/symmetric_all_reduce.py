@@ -107,10 +107,8 @@ def install(group: Any, kind: str) -> SymmetricAllReduce:
     memory with ``kind`` (``"two_shot"`` or ``"one_shot"``) until :meth:`SymmetricAllReduce.restore`."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    current = mappings._reduce
-    original = current._original if isinstance(current, SymmetricAllReduce) else current
-    if isinstance(current, SymmetricAllReduce):
-        current.restore()
-    replacement = SymmetricAllReduce(group, kind, original)
+    if isinstance(mappings._reduce, SymmetricAllReduce):
+        mappings._reduce.restore()  # one replacement at a time: megatron-core's function is back
+    replacement = SymmetricAllReduce(group, kind, mappings._reduce)
     mappings._reduce = replacement
     return replacement

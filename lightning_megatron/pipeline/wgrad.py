@@ -88,7 +88,7 @@ class _SplitLinear(torch.autograd.Function):
         placeholder = weight_grad(weight, grad_output, total_input, ctx.accumulate)
         if reducing is not None:
             reducing.wait()
-        elif symmetric is not None and not ctx.sequence_parallel:
+        elif symmetric is not None:  # (with sequence parallelism ``reducing`` is the reduce-scatter)
             symmetric(grad_input, tp_group)
         return grad_input, placeholder, grad_bias, None, None, None, None
 

@@ -9,8 +9,9 @@ and a host that queued the work late all make it longer. Two measurements tell t
 
 * **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.busy``, ``scan.gpu_measure``): the
   suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer, over
-  all or against its peers in any one sampled step, are the GPU's own work (``compute``); an excess made of idle time between kernels is the host's, if its host also took
-  longer to queue the same work, by enough to explain the excess, and nobody's otherwise.
+  all or against its peers in any one sampled step, are the GPU's own work (``compute``); an excess made of
+  idle time between kernels is the host's, if its host also took longer to queue the same work, by enough to
+  explain the excess, and nobody's otherwise.
 * **Queue fields** (``attribute_host``, elsewhere): a rank whose GPU started most spans as soon as its host queued
   them was paced by its host; it is named ``host`` only if that host queued the same ops slower than its peers'.
 
@@ -139,13 +140,13 @@ def attribute_busy(
     ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``, and so does as
     much in any one sampled step against its peers (``busy_window_excess``: a GPU slowed in bursts; nothing on
     the host lengthens a rank's own kernels). Below that, its excess is time the GPU did not run the rank's
-    kernels. On layer parts across stages, where the host
-    queued the spans in under half their length (``queue_share``), the host was ahead: the GPU ran another
-    process's work between them, and it stays ``compute``. Otherwise it becomes ``host`` where its host also
-    took longer to queue the same work (``enqueue_us``, same baseline) by ``min_slowdown`` and by half the spans'
-    excess at least (what it explains), and is dropped with a note otherwise (idle time that neither its kernels
-    nor its host explain: a launch-bound job paced by one host, or waits on another stream). Suspects without busy time on both sides are left as they are
-    (``attribute_host``)."""
+    kernels. On layer parts across stages, where the host queued the spans in under half their length
+    (``queue_share``), the host was ahead: the GPU ran another process's work between them, and it stays
+    ``compute``. Otherwise it becomes ``host`` where its host also took longer to queue the same work
+    (``enqueue_us``, same baseline) by ``min_slowdown`` and by half the spans' excess at least (what it explains),
+    and is dropped with a note otherwise (idle time that neither its kernels nor its host explain: a launch-bound
+    job paced by one host, or waits on another stream). Suspects without busy time on both sides are left as
+    they are (``attribute_host``)."""
     groups = peer_groups(traces)
     kept = []
     for suspect in suspects:
@@ -291,7 +292,13 @@ def _busy_comparison(
         queued = [s for s in steps if s in own.enqueue_per_step and all(s in p.enqueue_per_step for p in peers)]
         host = _step_excess(own.enqueue_per_step, [p.enqueue_per_step for p in peers], queued) if queued else None
         return _BusyComparison(
-            found[0], host[0] if host else None, "its peers per step", found[1], found[2], spans[0], None, window
+            found[0],
+            host[0] if host else None,
+            "its peers per step",
+            found[1],
+            found[2],
+            spans[0],
+            window_excess=window,
         )
     found = _key_excess(own.busy_per_key, [p.busy_per_key for p in peers])
     spans = _key_excess(own.span_per_key, [p.span_per_key for p in peers])
@@ -299,7 +306,7 @@ def _busy_comparison(
         return None
     host = _key_excess(own.enqueue_per_key, [p.enqueue_per_key for p in peers])
     return _BusyComparison(
-        found[0], host[0] if host else None, "its peers per op", found[1], found[2], spans[0], None, window
+        found[0], host[0] if host else None, "its peers per op", found[1], found[2], spans[0], window_excess=window
     )
 
 
