@@ -195,6 +195,7 @@ def _launch(
         "tokens_per_second": gbs * model["seq_length"] / step,
         "model_tflops_per_gpu": model_flops_per_step(model, gbs) / step / gpus / 1e12,
         "peak_memory_gib": max(r["peak_memory_gib"] for r in ranks),
+        **({"symmetric_all_reduce": ranks[0]["symmetric_all_reduce"]} if "symmetric_all_reduce" in ranks[0] else {}),
     }
 
 
@@ -228,6 +229,7 @@ def _summarised(results: list[dict[str, Any]]) -> dict[str, Any]:
             summary[key] = statistics.median(r[key] for r in good)
         summary["peak_memory_gib"] = max(r["peak_memory_gib"] for r in good)
         keys = ("gpus", "tp", "pp", "global_batch_size", "overrides", "strategy_options", "module_options")
+        keys += ("symmetric_all_reduce",)
         summary.update({k: good[0][k] for k in keys if k in good[0]})
     if len(good) < len(results):
         summary["failed_rounds"] = len(results) - len(good)
@@ -241,6 +243,8 @@ def _shown(result: dict[str, Any]) -> str:
     )
     if "fusion_ab" in result:
         shown += f"  with gradient_accumulation_fusion: {result['fusion_ab']['speedup']:.3f}x"
+    if "symmetric_all_reduce" in result:
+        shown += f"  symmetric all-reduces {result['symmetric_all_reduce']}"
     return shown
 
 

@@ -141,6 +141,9 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
             _synchronize()
             (fused_times if self.fused is not None else times).append(time.perf_counter() - self.start)
             profiler.step_ended(trainer.global_step - 1)
+            symmetric = trainer.strategy.tp_layers.symmetric_all_reduce  # None again after teardown
+            if symmetric is not None:  # what symmetric_ar_type really took: the Python calls (not graph replays)
+                spec["symmetric_all_reduce"] = {"calls": symmetric.calls, "fallbacks": symmetric.fallbacks}
 
     timer = StepTimer()
     trainer = pl.Trainer(
@@ -379,6 +382,7 @@ def worker(spec: dict[str, Any]) -> None:
     )
     rank = int(os.environ.get("RANK", 0))
     record = {"rank": rank, "step_seconds": times, "peak_memory_gib": _peak_memory_gib()}
-    if "fused_step_seconds" in spec:
-        record["fused_step_seconds"] = spec["fused_step_seconds"]
+    for key in ("fused_step_seconds", "symmetric_all_reduce"):
+        if key in spec:
+            record[key] = spec[key]
     Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(record))

@@ -215,6 +215,7 @@ def test_a_capture_that_fails_is_an_error_or_a_step_to_run_again() -> None:
 
 _FIT = r"""""
 import json, sys, time, warnings
+import lightning.pytorch as pl
 import torch
 sys.path.insert(0, "tests")
 from cases import fit_gpt
@@ -251,14 +252,25 @@ MODULES = {"gpt": GPTModule, "waits": WaitsForGPU, "legacy_stream": UsesLegacySt
 if setting != "auto":
     extra["cuda_graphs"] = setting == "on"
 
+class SymmetricCounts(pl.Callback):
+    # the symmetric all-reduce's counts at the end of training: teardown takes it back before the probe runs
+    counts = None
+
+    def on_train_end(self, trainer, module):
+        symmetric = trainer.strategy.tp_layers.symmetric_all_reduce
+        if symmetric is not None:
+            self.counts = {"calls": symmetric.calls, "fallbacks": symmetric.fallbacks}
+
+
+symmetric_counts = SymmetricCounts()
+
 def probe(module):
     from lightning_megatron.pipeline.wgrad_accumulate import fused_accumulation_status
 
     strategy = module.trainer.strategy
     graph = strategy.step_graph
     accumulation = {"resolved": strategy.fuses_gradient_accumulation, **fused_accumulation_status()}
-    symmetric = strategy.tp_layers.symmetric_all_reduce
-    symmetric = None if symmetric is None else {"calls": symmetric.calls, "fallbacks": symmetric.fallbacks}
+    symmetric = symmetric_counts.counts
     if graph is None:
         return {"graph": None, "accumulation": accumulation, "symmetric_all_reduce": symmetric}
     graph = {"captures": graph.captures, "replays": graph.replays, "gave_up_because": graph.gave_up_because}
@@ -268,7 +280,7 @@ start = time.perf_counter()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     out = fit_gpt(extra.pop("devices", 1), steps=10, precision="bf16-mixed", accelerator="gpu", model=model,
-                  probe=probe, module_cls=MODULES[module_name],
+                  probe=probe, module_cls=MODULES[module_name], callbacks=[symmetric_counts],
                   data={"vocab_size": model["vocab_size"], "seq_length": model["seq_length"], "global_batch_size": 8},
                   trainer={"limit_val_batches": 2, "val_check_interval": 5}, **extra)
 notes = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
