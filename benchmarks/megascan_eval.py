@@ -6,8 +6,8 @@
     python benchmarks/megascan_eval.py --layouts single --steps 34 --runs 10 --out ...   # one GPU, faults mid-fit
 
 One ``torchrun`` launch per layout (DP2, TP2 with sequence parallelism, PP2: 2 processes; ``single``: one);
-inside it, fits one after another (the strategy supports many fits per process), every step from step 2 traced,
-detection at fit end with its default thresholds. Cases, each ``--runs`` times, the faulted rank alternating
+inside it, fits one after another (the strategy supports many fits per process), every step from step 2 traced
+(one in ``--interval`` N: the others replayed as CUDA graphs at DP/TP, as in the default job), detection at fit end with its default thresholds. Cases, each ``--runs`` times, the faulted rank alternating
 between 0 and 1:
 
 * ``clean``;
@@ -131,7 +131,7 @@ def _callbacks(
 
     scan = MegaScan(
         trace_dir,
-        interval=1,
+        interval=spec.get("interval", 1),
         window=1,
         start_step=TRACED_FROM,
         granularity=spec["granularity"],
@@ -348,6 +348,14 @@ def main() -> int:
         help="MegaScan(trace_replays=True): at DP2 and TP2 the traced steps stay CUDA-graph replays, as the "
         "untraced ones (default: they run eagerly there, paced by the host on a launch-bound model)",
     )
+    parser.add_argument(
+        "--interval",
+        type=int,
+        default=1,
+        help="trace one step in N from step 2 (MegaScan(interval=N, window=1)); with N >= 2 at DP2 and TP2 the "
+        "untraced steps replay the CUDA graph between the eagerly traced ones, as in the default job (default 1: "
+        "every step traced, nothing replayed; use about N times the steps)",
+    )
     parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
     parser.add_argument(
         "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
@@ -371,11 +379,17 @@ def main() -> int:
         help="no launch: detect again on the traces kept by --keep-traces, for the runs of the result named by --from",
     )
     parser.add_argument("--from", dest="source", type=Path, help="with --rescore: the evaluation's result JSON")
+    parser.add_argument(
+        "--as-replayed-between",
+        action="store_true",
+        help="with --rescore: read the traced steps as run eagerly in place of CUDA-graph replays (the default job "
+        "at DP/TP, whose untraced steps replay), whatever the fits did",
+    )
     args = parser.parse_args()
     if args.rescore:
         if args.source is None or args.out is None:
             parser.error("--rescore needs --from RESULT.json and --out")
-        rescored = rescore(json.loads(args.source.read_text()), args.rescore)
+        rescored = rescore(json.loads(args.source.read_text()), args.rescore, args.as_replayed_between)
         rescored["rescore_command"] = " ".join(["python", "benchmarks/megascan_eval.py", *sys.argv[1:]])
         rescored["rescored_at"] = provenance()["date"]
         for name, outcome in rescored["layouts"].items():
@@ -391,6 +405,8 @@ def main() -> int:
         return 0
     if args.out is None:
         parser.error("--out is required")
+    if args.interval < 1:
+        parser.error(f"--interval {args.interval}: trace one step in N, N >= 1")
     base = {
         "accelerator": "cpu" if args.cpu else "gpu",
         "model": CPU_MODEL if args.cpu else GPU_MODELS[args.model],
@@ -400,6 +416,7 @@ def main() -> int:
         "runs": args.runs,
         "cpus_per_rank": args.cpus_per_rank,
         "trace_replays": args.trace_replays,
+        "interval": args.interval,
     }
     command = " ".join(["python", "benchmarks/megascan_eval.py", *sys.argv[1:]])
     result: dict[str, Any] = {"what": "MegaScan detection against outside faults", **provenance(), "command": command}

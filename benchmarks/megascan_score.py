@@ -5,11 +5,13 @@ that a change of the rules or of the scoring is judged on recorded GPU results w
 
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXPECTED", "SLOWS_THE_JOB", "rescore", "score", "suspect_record"]
+__all__ = ["EXPECTED", "SLOWS_THE_JOB", "marked_in_place_of_replays", "rescore", "score", "suspect_record"]
 
 EXPECTED = {  # the kinds that name a fault rightly
     "gpu-contention": {"compute"},
@@ -90,25 +92,49 @@ def _probe_ratio(run: dict[str, Any], rank: int) -> float | None:
     return round(probes[rank] / statistics.median(others), 3) if others else None
 
 
-def rescore(result: dict[str, Any], traces: Path) -> dict[str, Any]:
+def rescore(result: dict[str, Any], traces: Path, as_replayed_between: bool = False) -> dict[str, Any]:
     """Detection run again, with today's rules, on the traces a GPU evaluation kept (``--keep-traces``): every
     run whose folder ``TRACES/LAYOUT/CASE-RUN`` exists gets its suspects anew; runs without traces are left
     out. The faults stay what they were, so a change of the rules is judged on real GPU traces without GPU
-    time."""
+    time. ``as_replayed_between``: read every traced step as one run eagerly in place of a CUDA-graph replay
+    (``args.in_place_of_replay``), as in a job whose untraced steps replay; the evaluation's fits trace every
+    step, so nothing replayed in them, and their step times are the eager job's: this asks what the rules would
+    say of those same traced steps in the default job, not how that job was slowed."""
     from lightning_megatron.scan.detect import detect
 
     out = {**result, "rescored_from": str(traces), "layouts": {}}
+    if as_replayed_between:
+        out["rescored_as_replayed_between"] = True
     for name, outcome in result["layouts"].items():
         runs = []
         for run in outcome.get("runs", []):
             folder = traces / name / f"{run['case']}-{run['run']}"
             if not folder.is_dir():
                 continue
-            report = detect(folder)
+            if as_replayed_between:
+                with tempfile.TemporaryDirectory() as marked:
+                    report = detect(marked_in_place_of_replays(folder, Path(marked)))
+            else:
+                report = detect(folder)
             runs.append({**run, "suspects": [suspect_record(s) for s in report.suspects]})
         if runs:
             out["layouts"][name] = {"runs": runs, "score": score(runs)}
     return out
+
+
+def marked_in_place_of_replays(folder: Path, into: Path) -> Path:
+    """A copy of a run's rank files in ``into``, each step span marked ``in_place_of_replay``, unless the job is
+    pipelined (the strategy replays no graph at PP > 1: its eager steps are the job's)."""
+    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+
+    for path in list_rank_files(folder).values():
+        events = list(read_rank_file(path))
+        info = next((e["args"] for e in events if e.get("name") == "megascan.rank"), {})
+        for event in events:
+            if event.get("cat") == "step" and event.get("ph") == "X" and info.get("pipeline_size", 1) == 1:
+                event.setdefault("args", {})["in_place_of_replay"] = True
+        (into / path.name.removesuffix(".gz")).write_text("[\n" + ",\n".join(map(json.dumps, events)) + "\n]\n")
+    return into
 
 
 def suspect_record(s: Any) -> dict[str, Any]:

@@ -514,3 +514,48 @@ def test_a_trace_without_busy_time_is_judged_as_before(tmp_path: Path) -> None:
     assert sorted(times[0].busy_per_step) == [0, 1, 3, 4, 5]
     generate_traces(tmp_path / "none", dp=2, pp=1, tp=1, steps=6)
     assert busy_times(read_traces(tmp_path / "none", [])) == {}
+
+
+def _steps_marked(rank: int, marked: bool, steps: int = 8) -> list[dict[str, Any]]:
+    """A rank's step spans, each marked as run eagerly in place of a CUDA-graph replay or not."""
+    return [
+        {"cat": "step", "name": f"step {s}", "args": {"step": s, "in_place_of_replay": marked}} for s in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("in_place_of_replays", [False, True])
+def test_launch_pace_of_steps_the_job_replays_is_not_named(in_place_of_replays: bool) -> None:
+    """The same host-paced excess on both attribution paths (busy time; queue fields alone): named ``host`` where
+    the job runs its steps eagerly, dropped with a note where the traced steps ran eagerly in place of the job's
+    CUDA-graph replays, whose one launch a slow host does not lengthen (2x H200, eager traced DP2 steps: rank 0
+    named ``host`` in 3 of 9 clean fits, its kernels -1% to +0%, its queueing 12-49% slower)."""
+    marked = {rank: _steps_marked(rank, in_place_of_replays) for rank in (0, 1)}
+    traces = {rank: RankTrace(rank=rank, dp=rank, spans=list(marked[rank])) for rank in (0, 1)}
+    busy = {
+        rank: BusyTimes(
+            busy_per_step={s: 100.0 for s in range(8)},
+            span_per_step={s: 200.0 * (1.2 if rank else 1.0) for s in range(8)},
+            enqueue_per_step={s: 190.0 * (1.2 if rank else 1.0) for s in range(8)},
+        )
+        for rank in (0, 1)
+    }
+    rule = {"rule": "per-step net compute, signed-rank test over steps"}
+    notes: list[str] = []
+    kept = attribute_busy([make_suspect(traces[1], "compute", 0.2, dict(rule))], traces, busy, 0.08, notes)
+    for rank in (0, 1):  # queue fields only (no busy time): 20% slower queueing of the same ops on rank 1
+        enqueue = 100.0 * (1.2 if rank else 1.0)
+        traces[rank].spans = marked[rank] + [{"cat": "compute", "name": "fwd", "args": {"enqueue_us": enqueue}}] * 8
+    kept += attribute_host([make_suspect(traces[1], "compute", 0.2, dict(rule))], {0: 0.2, 1: 0.9}, traces, 0.08, notes)
+    assert [(s.rank, s.kind) for s in kept] == ([] if in_place_of_replays else [(1, "host"), (1, "host")]), notes
+    dropped = [note for note in notes if "replays those steps as a CUDA graph" in note]
+    assert len(dropped) == (2 if in_place_of_replays else 0), notes
+    if in_place_of_replays:
+        assert "queueing +20%" in dropped[0] and "trace_replays=True" in dropped[0], dropped
+
+
+@pytest.mark.parametrize(("marked", "expected"), [(0, False), (4, False), (5, True), (8, True)])
+def test_a_rank_counts_as_traced_in_place_of_replays_where_most_of_its_steps_were(marked: int, expected: bool) -> None:
+    """The first traced windows of a graphed fit come before its capture (nothing replayed yet), so a rank is
+    read as traced in place of replays where most of its analysed steps were."""
+    spans = _steps_marked(0, True)[:marked] + _steps_marked(0, False)[marked:]
+    assert RankTrace(rank=0, spans=spans).eager_in_place_of_replays is expected

@@ -224,6 +224,22 @@ def test_a_listener_that_is_not_graph_safe_keeps_steps_eager(tmp_path: Path) -> 
     assert (captures, replays) == (0, 0) and eager_steps == STEPS, out["graph"]
 
 
+def test_steps_traced_eagerly_in_place_of_replays_are_marked(tmp_path: Path) -> None:
+    """``trace_replays=False`` in a graphed fit: the traced steps (1, 3, 5, 7) run eagerly, the others warm up
+    (0, 2), capture (4) and replay (4, 6); the traced steps after the capture ran in place of a replay and say so
+    (``args.in_place_of_replay``, read by ``scan.attribution``), the ones before it do not."""
+    out = _fit(tmp_path / "trace", scan=dict(interval=2, window=1, trace_replays=False))
+    assert out["graph"] == (1, 2, 4), out["graph"]
+    steps = _steps(tmp_path / "trace")
+    marks = {
+        number: bool(frame["args"].get("in_place_of_replay"))
+        for number, spans in steps.items()
+        for frame in spans
+        if frame["cat"] == "step"
+    }
+    assert marks == {1: False, 3: False, 5: True, 7: True}, marks
+
+
 # Llama-style (RMSNorm, SwiGLU, rotary embeddings, grouped queries, no biases), with dropout: other kernels in the
 # graph (the rotary and SwiGLU ones, the dropout's Philox draws), same GPU-bound size as SHAPE.
 LLAMA_SHAPE = dict(

@@ -38,16 +38,25 @@
   matrices in bursts on rank 0's GPU (the job +1%). The tensor-parallel ranks meet in 670 collectives a step,
   and which of them waits there swings by hundreds of milliseconds between steps: the first was named by
   nothing, the second named the *other* rank ``host`` (spans +292% against its host's queueing +9%).
+* ``tests/data/megascan_h200_dp2_eager.tar.xz``: five fits on 2x H200 (the ``medium`` GPT at DP2, every step from
+  step 2 traced eagerly, 14 steps, 2026-11-27, ``--layouts dp2``): two clean fits that named rank 0 ``host`` (its
+  host queued the same kernels 12-49% slower, its kernels no longer), a host stall between steps and one before
+  the optimizer step on rank 0, and another process copying buffers on rank 1's GPU. Read as the default job
+  traces them (each step marked as run in place of a replay), the launch pace is no longer named.
 """
 
 from __future__ import annotations
 
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
 from lightning_megatron.scan.detect import detect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from megascan_score import marked_in_place_of_replays  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -92,6 +101,11 @@ def cpu_waits(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tp2sp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _extracted(tmp_path_factory, "megascan_h200_tp2sp.tar.xz", "tp2sp")
+
+
+@pytest.fixture(scope="module")
+def dp2_eager(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _extracted(tmp_path_factory, "megascan_h200_dp2_eager.tar.xz", "dp2")
 
 
 def named(report) -> list[tuple[int, str]]:
@@ -269,3 +283,29 @@ def test_a_gpu_process_sharing_its_one_cpu_is_named_for_its_waits_for_it(cpuset:
         assert len(hosts) == 1 and hosts[0].rank == 0, (fit, report.table())
         assert "waits for a CPU" in hosts[0].evidence["rule"] and hosts[0].impact_ms > 20, (fit, report.table())
         assert hosts[0] is report.suspects[0], (fit, report.table())  # the largest cost comes first
+
+
+def test_launch_pace_is_named_only_where_the_job_pays_it(dp2_eager: Path, tmp_path: Path) -> None:
+    """Eager DP2 fits (every step traced, so the job itself was eager): the clean fits name rank 0 ``host``, whose
+    host launched the same kernels slower, which that job paid. Read as the default job traces them, each traced
+    step run eagerly in place of a CUDA-graph replay, that pace is not the job's and nothing is named (with a
+    note), while the faults stay found as before: the host stalls (outside the graph, by their own rules) and the
+    other process on rank 1's GPU (``compute``)."""
+    expected = {
+        "clean-1": [],
+        "clean-6": [],
+        "host-stall-0": [(0, "host")],
+        "host-stall-hidden-2": [(0, "host")],
+        "gpu-memory-contention-1": [(1, "compute")],
+    }
+    for fit, marked_names in expected.items():
+        as_recorded = detect(dp2_eager / fit)
+        marked_dir = tmp_path / fit
+        marked_dir.mkdir()
+        marked = detect(marked_in_place_of_replays(dp2_eager / fit, marked_dir))
+        assert named(marked) == marked_names, (fit, marked.table())
+        if fit.startswith("clean"):
+            assert named(as_recorded) == [(0, "host")], (fit, as_recorded.table())
+            assert any("replays those steps as a CUDA graph" in note for note in marked.warnings), marked.warnings
+        else:
+            assert set(marked_names) <= set(named(as_recorded)), (fit, as_recorded.table())

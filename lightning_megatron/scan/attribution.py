@@ -15,6 +15,9 @@ and a host that queued the work late all make it longer. Two measurements tell t
 * **Queue fields** (``attribute_host``, elsewhere): a rank whose GPU started most spans as soon as its host queued
   them was paced by its host; it is named ``host`` only if that host queued the same ops slower than its peers'.
 
+Either names ``host`` only where the job pays that pace: traced steps that ran eagerly in place of the job's
+CUDA-graph replays (``RankTrace.eager_in_place_of_replays``) show a launch pace the replays do not have.
+
 Kept apart from the rules because it judges their output with other measurements; the rules decide who is slow,
 this module what kind of slow.
 """
@@ -89,6 +92,8 @@ def attribute_host(
                     "peers, not a slow host (not named)"
                 )
                 continue
+        if _launch_pace_not_paid(suspect, traces, "unknown" if excess is None else f"{excess:+.0%}", notes):
+            continue
         suspect.kind = "host"
         suspect.evidence["why_host"] = (
             "its GPU started most compute spans as soon as the host queued them: the host paced the work"
@@ -116,6 +121,24 @@ def _host_excess(traces: dict[int, RankTrace], rank: int, peers: list[int]) -> O
         if base:
             ratios.append(value / statistics.median(base))
     return statistics.median(ratios) - 1.0 if ratios else None
+
+
+def _launch_pace_not_paid(suspect: Suspect, traces: dict[int, RankTrace], queued: str, notes: list[str]) -> bool:
+    """Whether a suspect about to be named ``host`` for its launch pace was measured on steps the job replays as
+    a CUDA graph (``RankTrace.eager_in_place_of_replays``); then it is dropped with a note. A replay is one launch,
+    so its host's pace kernel by kernel costs the job nothing: MegaScan made the traced steps eager to look into
+    them (2x H200, eager traced DP2 steps: 3 of 9 clean fits named rank 0 ``host`` for queueing 12-49% slower,
+    its kernels -1% to +0%). Host time outside the graph (gaps between steps, hooks, the loader) has rules of
+    its own, which this does not touch."""
+    if not traces[suspect.rank].eager_in_place_of_replays:
+        return False
+    notes.append(
+        f"rank {suspect.rank}: its GPU idled between kernels in eagerly traced steps ({suspect.slowdown:+.0%}, its "
+        f"host's queueing {queued}), but the job replays those steps as a CUDA graph, which its host does not "
+        "launch kernel by kernel: not what the job pays (not named; MegaScan(trace_replays=True) traces the "
+        "replays themselves)"
+    )
+    return True
 
 
 _HOST_AHEAD = 0.5  # queueing time under this share of the spans' time: the host was not what the GPU waited for
@@ -204,6 +227,8 @@ def attribute_busy(
             kept.append(suspect)
             continue
         if host_excess is not None and host_excess >= max(min_slowdown, _HOST_EXPLAINS * span_excess):
+            if _launch_pace_not_paid(suspect, traces, f"{host_excess:+.0%}", notes):
+                continue
             suspect.kind = "host"
             evidence["why_host"] = (
                 f"its GPU's kernels took {busy_excess:+.0%} against {basis}: the excess is time its GPU idled "

@@ -101,7 +101,8 @@ class MegaScan(pl.Callback, StepListener):
             replayed traces were checked against eager ones; eagerly at TP/DP. True: replays at TP/DP too, where
             that check has not run on GPUs yet (a warning says so). An eager traced step of a launch-bound model
             is paced by its host, which the replayed job is not: on 2 x H200 at DP2, eager traced steps named a
-            rank whose host queued slower in a third of clean fits. False: traced steps always run eagerly.
+            rank whose host queued slower in a third of clean fits. Such steps are marked ``in_place_of_replay``
+            and that launch pace is not named (``scan.attribution``). False: traced steps always run eagerly.
     """
 
     def __init__(
@@ -360,7 +361,15 @@ class MegaScan(pl.Callback, StepListener):
             recorder.add("step-sync", "sync", TID["host"], start, end, {"step": step})
         self._fetches, self._syncs = [], []
         args = {"step": step, "profiled": True} if step in self.profile_steps else {"step": step}
+        if self._in_place_of_replay():
+            args["in_place_of_replay"] = True
         self._step_span = recorder.open(f"step {step}", "step", TID["steps"], args)
+
+    def _in_place_of_replay(self) -> bool:
+        """Whether this traced step runs eagerly where the strategy would have replayed its captured graph: what
+        its host spends launching kernels one by one, the replayed steps do not (``scan.attribution``)."""
+        graph = getattr(self._strategy, "step_graph", None)
+        return not self.traces_replays and graph is not None and graph.captures > 0 and graph.gave_up_because is None
 
     def _busy_window(self, step: int) -> bool:
         """Whether the window starting at ``step`` measures GPU busy time: every ``gpu_busy_every``-th window (the

@@ -101,6 +101,14 @@ class RankTrace:
     uncertainty_us: float = 0.0
 
     @property
+    def eager_in_place_of_replays(self) -> bool:
+        """Whether most of its traced steps ran eagerly where the job replays a CUDA graph (``args.in_place_of_replay``:
+        MegaScan's traced steps at TP/DP without ``trace_replays``), so that their host's kernel-by-kernel launch
+        pace is not what the job's other steps pay."""
+        marks = [bool((s.get("args") or {}).get("in_place_of_replay")) for s in self.spans if s["cat"] == "step"]
+        return 2 * sum(marks) > len(marks)
+
+    @property
     def coordinates(self) -> dict[str, Any]:
         """``rank``, ``dp``, ``pp``, ``tp`` and ``host``: where the rank sits, as every per-rank record says it."""
         return {"rank": self.rank, "dp": self.dp, "pp": self.pp, "tp": self.tp, "host": self.host}
