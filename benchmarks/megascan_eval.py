@@ -5,7 +5,7 @@
 
     python benchmarks/megascan_eval.py --layouts single --steps 34 --runs 10 --out ...   # one GPU, faults mid-fit
 
-One ``torchrun`` launch per layout (DP2, TP2 with sequence parallelism, PP2: 2 processes; ``single``: one);
+One ``torchrun`` launch per layout (DP2, TP2 with sequence parallelism, PP2, PP2 × VPP2: 2 processes; ``single``: one);
 inside it, fits one after another (the strategy supports many fits per process), every step from step 2 traced
 (one in ``--interval`` N: the others replayed as CUDA graphs at DP/TP, as in the default job), detection at fit end with its default thresholds. Cases, each ``--runs`` times, the faulted rank alternating
 between 0 and 1:
@@ -81,6 +81,7 @@ LAYOUTS = {
     "dp2": {},
     "tp2-sp": _TP2_SP,
     "pp2": {"pipeline_model_parallel_size": 2},
+    "pp2-vpp2": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
     "single": {},
     # 4 and 8 GPUs (issue 18's machines): more than one peer, and peers and stages together
     "dp4": {},
@@ -91,7 +92,6 @@ LAYOUTS = {
 }
 DEVICES = {"single": 1, "dp4": 4, "dp2-pp2": 4, "tp2-pp2": 4, "dp8": 8, "dp2-tp2-pp2": 8}  # processes (2 otherwise)
 TRACED_FROM = 2  # MegaScan(start_step=...): the first steps compile, capture graphs and fill caches
-GRANULARITY = {"pp2": "layer"}  # stages alone in their stage are compared on layer parts (MegaScan's advice)
 MICROBATCHES = 4
 
 
@@ -254,7 +254,8 @@ def _worker(spec: dict[str, Any]) -> None:
             median_ms = 1000 * statistics.median(times[max(1, spec["onset_step"]) :])  # the faulted steps
             if case == "clean":
                 clean_ms.append(median_ms)
-            report = next(c for c in callbacks if isinstance(c, MegaScan)).report
+            scan = next(c for c in callbacks if isinstance(c, MegaScan))
+            report = scan.report
             records.append(
                 {
                     "case": case,
@@ -262,6 +263,7 @@ def _worker(spec: dict[str, Any]) -> None:
                     "launch": first,  # the launch's first run: its clean runs are this run's baseline
                     "faulted_rank": None if case == "clean" else rank,
                     "step_ms": round(median_ms, 3),
+                    "granularity": scan.granularity,
                     "seconds": round(time.perf_counter() - started, 1),
                     "suspects": [suspect_record(s) for s in (report.suspects if report is not None else [])],
                     "hosts": hosts,
@@ -356,6 +358,12 @@ def main() -> int:
         "untraced steps replay the CUDA graph between the eagerly traced ones, as in the default job (default 1: "
         "every step traced, nothing replayed; use about N times the steps)",
     )
+    parser.add_argument(
+        "--granularity",
+        choices=["stage", "layer", "op"],
+        default=None,
+        help="MegaScan(granularity=...); default: MegaScan's own (chosen per job: 'layer' at pure PP)",
+    )
     parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
     parser.add_argument(
         "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
@@ -447,7 +455,7 @@ def main() -> int:
                 "onset_step": onset,
                 "layout": layout,
                 "layout_name": name,
-                "granularity": GRANULARITY.get(name, "stage"),
+                "granularity": args.granularity,
                 "micro_batch_size": base["micro_batch_size"],
                 "global_batch_size": base["micro_batch_size"] * MICROBATCHES * dp,
                 "cases": args.cases,

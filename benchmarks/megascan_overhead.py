@@ -14,6 +14,12 @@
   replayed as a CUDA graph), untraced and traced (the graph's own events, ``scan.recorder``): their ratio is
   ``overhead_default_graphs``, and ``traced_over_default_graphs`` what tracing cost when traced steps ran
   eagerly. ``--cases`` keeps only some of them, e.g. ``--cases plain_default_graphs traced_default_graphs``.
+* Overhead at the defaults (any GPU count): ``plain_defaults`` (the strategy's defaults, no callback) against
+  ``scan_defaults`` (the same with ``MegaScan()``: every default, two steps in every five traced,
+  the granularity chosen per job, detection at fit end); ``overhead_defaults`` is the ratio of their *mean* step
+  times from one step's end to the next (what a job pays over all its steps, every hook included: the traced
+  steps cost more than the others) and
+  ``overhead_defaults_median`` that of their medians.
 * Detection (4 GPUs, DP2 × PP2): ``--runs`` runs for each injected slowdown (10%, 20%, 50% on a random
   rank, ``SlowdownInjector``) and as many clean runs; each run's fit-end report is scored: a hit names the
   slowed rank with cause "compute"; any other named rank is a false alarm.
@@ -62,9 +68,10 @@ GPU_MODELS["llama"] = dict(
 MICRO_BATCH = {"small": 4, "medium": 2, "llama": 2}
 CPU_MODEL = dict(vocab_size=256, seq_length=32, num_layers=4, hidden_size=64, num_attention_heads=4)
 FACTORS = [1.1, 1.2, 1.5]
-MULTI_GPU_LAYOUTS: dict[str, dict[str, int]] = {  # the overhead's all-GPU fit (--layout)
+MULTI_GPU_LAYOUTS: dict[str, dict[str, int]] = {  # the overhead's all-GPU fits (--layout)
     "dp-pp2": {"pipeline_model_parallel_size": 2},
     "dp": {},
+    "tp2": {"tensor_model_parallel_size": 2},
     "dp-tp2-pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
 }
 OVERHEAD_CASES = (  # the *_default_graphs ones on one GPU only
@@ -75,6 +82,10 @@ OVERHEAD_CASES = (  # the *_default_graphs ones on one GPU only
     "traced_no_busy_time",
     "plain_default_graphs",
     "traced_default_graphs",
+    "plain_defaults",
+    "scan_defaults",
+    "scan_defaults_no_busy_time",
+    "scan_defaults_stage",
 )
 
 
@@ -170,6 +181,7 @@ def _worker(spec: dict[str, Any]) -> None:
         graphs = spec["devices"] == 1  # the default replays the step as a CUDA graph on one GPU only
         if graphs:
             times.update(plain_default_graphs=[], traced_default_graphs=[])
+        times.update(plain_defaults=[], scan_defaults=[], scan_defaults_no_busy_time=[], scan_defaults_stage=[])
         times = {name: t for name, t in times.items() if not spec.get("cases") or name in spec["cases"]}
         per_pair: dict[str, list[float]] = {name: [] for name in times}
         for pair in range(spec["pairs"]):
@@ -187,6 +199,12 @@ def _worker(spec: dict[str, Any]) -> None:
                 # one GPU, the default strategy: the step replayed as a CUDA graph, traced from the graph's events
                 "plain_default_graphs": [],
                 "traced_default_graphs": [MegaScan(work / "graphs", interval=1, window=1, detect=False)],
+                # what a user gets: the strategy's and MegaScan's defaults, nothing chosen for the benchmark
+                "plain_defaults": [],
+                "scan_defaults": [MegaScan(work / "defaults")],
+                # which part of the defaults costs: the busy-time sessions, or the granularity chosen per job
+                "scan_defaults_no_busy_time": [MegaScan(work / "defaults-nobusy", gpu_busy=False)],
+                "scan_defaults_stage": [MegaScan(work / "defaults-stage", granularity="stage")],
             }
             cases = {name: callbacks for name, callbacks in cases.items() if name in times}
             order = list(cases) if pair % 2 == 0 else list(reversed(cases))  # alternate: spread the drift
@@ -194,17 +212,30 @@ def _worker(spec: dict[str, Any]) -> None:
                 attached = name == "traced_cupti_left_attached"
                 if attached:
                     os.environ["TEARDOWN_CUPTI"] = "0"
-                options = None if name.endswith("_default_graphs") else eager
-                measured = fit_once(spec, cases[name], steps, strategy_options=options)[3:]  # warm-up, capture
+                options = None if name.endswith("_default_graphs") or "_defaults" in name else eager
+                # the defaults' pair is timed from one step's end to the next: every hook of the callback counted
+                wall = "_defaults" in name
+                measured = fit_once(spec, cases[name], steps, strategy_options=options, wall=wall)[3:]  # warm-up
                 times[name] += measured
                 per_pair[name].append(1000 * statistics.median(measured))
                 if attached:
                     _detach_cupti()  # so that the next fit does not pay for it
         median = {name: statistics.median(t) for name, t in times.items()}
         out = {f"{name}_step_ms": 1000 * m for name, m in median.items()}
-        for name, base in [(n, "plain") for n in median if n.startswith("traced") and "graphs" not in n] + [
-            ("traced_default_graphs", "plain_default_graphs")
-        ]:
+        if times.get("plain_defaults"):  # a job pays the mean, traced steps included
+            means = {name: statistics.fmean(t) for name, t in times.items() if "_defaults" in name and t}
+            for name in means:
+                if name.startswith("scan_defaults"):
+                    key = "overhead" + name.removeprefix("scan")
+                    out[key] = means[name] / means["plain_defaults"] - 1.0
+                    out[key + "_median"] = median[name] / median["plain_defaults"] - 1.0
+            out["defaults_mean_step_ms"] = {name: 1000 * m for name, m in means.items()}
+            out["defaults_step_ms_first_pair"] = {
+                name: [round(1000 * t, 1) for t in times[name][: len(times[name]) // spec["pairs"]]] for name in means
+            }
+        for name, base in [
+            (n, "plain") for n in median if n.startswith("traced") and "graphs" not in n and n in median
+        ] + [("traced_default_graphs", "plain_default_graphs")]:
             if name in median and base in median:  # "overhead" is the default's: MegaScan's defaults, eager
                 key = "overhead" if name == "traced" else f"overhead_{name.removeprefix('traced_')}"
                 out[key] = median[name] / median[base] - 1.0
@@ -303,11 +334,15 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(GPU_MODELS), default="medium", help="GPU model size")
     parser.add_argument(
         "--layout",
+        nargs="+",
         choices=sorted(MULTI_GPU_LAYOUTS),
-        default="dp-pp2",
-        help="overhead on all GPUs: data parallel over what the model-parallel part leaves (8 GPUs: dp-pp2 is "
-        "DP4 x PP2, dp is DP8, dp-tp2-pp2 is DP2 x TP2 x PP2 with sequence parallelism)",
+        default=["dp-pp2"],
+        help="overhead on all GPUs, one launch each: data parallel over what the model-parallel part leaves (8 GPUs: "
+        "dp-pp2 is DP4 x PP2, dp is DP8, dp-tp2-pp2 is DP2 x TP2 x PP2 with sequence parallelism; 2 GPUs: dp is "
+        "DP2, tp2 TP2 with sequence parallelism, dp-pp2 PP2)",
     )
+    parser.add_argument("--no-single", action="store_true", help="overhead: skip the one-GPU fits")
+    parser.add_argument("--steps", type=int, default=20, help="overhead: steps per fit (the first 3 are not timed)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU processes (gloo)")
     parser.add_argument("--keep-traces", type=Path, help="also write the detection runs' traces here (.tar.gz)")
     args = parser.parse_args()
@@ -326,7 +361,7 @@ def main() -> int:
     }
     report: dict[str, Any] = {"what": "MegaScan overhead and slow-rank detection", **provenance(), **base}
     report["results"] = {}
-    report["multi_gpu_layout"] = args.layout
+    report["multi_gpu_layout"] = args.layout[0] if len(args.layout) == 1 else args.layout
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -334,15 +369,17 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as workdir:
         if "overhead" in args.only:
-            for devices in sorted({1, gpus}):
-                layout = {} if devices == 1 else dict(MULTI_GPU_LAYOUTS[args.layout])
+            runs = [] if args.no_single or gpus == 1 else [(1, None)]
+            runs += [(gpus, name) for name in args.layout] if gpus > 1 else [(1, None)]
+            for devices, layout_name in runs:
+                layout = {} if devices == 1 else dict(MULTI_GPU_LAYOUTS[layout_name])
                 if layout.get("tensor_model_parallel_size", 1) > 1:
                     layout["sequence_parallel"] = True
                 model_parallel = layout.get("pipeline_model_parallel_size", 1) * layout.get(
                     "tensor_model_parallel_size", 1
                 )
                 if devices % model_parallel:
-                    raise SystemExit(f"--layout {args.layout} needs a multiple of {model_parallel} GPUs, not {devices}")
+                    raise SystemExit(f"--layout {layout_name} needs a multiple of {model_parallel} GPUs, not {devices}")
                 dp = devices // model_parallel
                 spec = {
                     **base,
@@ -350,15 +387,16 @@ def main() -> int:
                     "devices": devices,
                     "layout": layout,
                     "global_batch_size": base["micro_batch_size"] * 4 * dp,
-                    "steps": 6 if args.cpu_dry_run else 20,
+                    "steps": 6 if args.cpu_dry_run and args.steps == 20 else args.steps,
                     "pairs": args.pairs,
                     "cases": args.cases,
                     "workdir": workdir,
                     "result": f"{workdir}/overhead-{devices}.json",
                 }
-                report["results"][f"overhead/{devices}gpu"] = _launch(spec, devices)
+                key = f"overhead/{devices}gpu" + (f"/{layout_name}" if devices > 1 and len(args.layout) > 1 else "")
+                report["results"][key] = _launch(spec, devices)
                 save()
-                print(f"overhead {devices} GPU(s): {report['results'][f'overhead/{devices}gpu']}", flush=True)
+                print(f"{key}: {report['results'][key]}", flush=True)
         if "detection" in args.only and gpus >= 4:
             spec = {
                 **base,

@@ -100,7 +100,7 @@ def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path)
     for a, b in zip(plain, traced):
         assert a["loss"] == b["loss"]  # tracing observes; it never changes the numbers
         assert b["restored"] and b["file_closed"]
-        assert b["traces_replays"] is False  # replayed multi-GPU traces are not checked yet: traced steps run eagerly
+        assert b["traces_replays"] is True  # traced steps stay CUDA-graph replays where the strategy graphs the step
     files = list_rank_files(tmp_path / "scan")
     assert sorted(files) == [0, 1, 2, 3]
     assert files[3].name == "rank00003-dp0-pp1-tp1.json.gz"
@@ -194,6 +194,21 @@ def test_other_strategies_are_refused(tmp_path: Path) -> None:
         trainer.fit(BoringModel())
 
 
+def test_granularity_is_chosen_per_job_unless_set() -> None:
+    from lightning_megatron.scan.callback import choose_granularity
+
+    # (pipeline, tensor, data parallel) -> the granularity MegaScan() traces at
+    assert choose_granularity(None, 2, 1, 1)[0] == "layer"  # pure PP: stages have no peers
+    assert choose_granularity(None, 4, 1, 1)[0] == "layer"
+    assert choose_granularity(None, 2, 2, 1)[0] == "stage"  # TP peers within each stage
+    assert choose_granularity(None, 2, 1, 2)[0] == "stage"  # DP peers
+    assert choose_granularity(None, 1, 1, 2)[0] == "stage"
+    assert choose_granularity(None, 1, 1, 1)[0] == "stage"  # one process: its own history
+    assert choose_granularity("stage", 2, 1, 1) == ("stage", "set by MegaScan(granularity=...)")  # the user wins
+    assert choose_granularity("op", 1, 1, 2)[0] == "op"
+    assert MegaScan().granularity is None  # chosen at fit start
+
+
 def test_bad_arguments_say_what_to_change() -> None:
     with pytest.raises(MegatronConfigError, match="window <= interval"):
         MegaScan(interval=1, window=2)
@@ -225,7 +240,13 @@ def test_pipeline_flows_pair_every_message(ranks: Any, tmp_path: Path, world: in
     ranks.run(world, traced_pipeline, str(tmp_path / "trace"), world, **layout)
     sends = recvs = 0
     for path in list_rank_files(tmp_path / "trace").values():
-        for event in read_rank_file(path):
+        events = list(read_rank_file(path))
+        # pure pipeline parallelism: no stage has a peer, so MegaScan's default traces layer parts to compare
+        # them across stages (MegaScan(granularity=None) chooses per job)
+        (meta,) = [e["args"] for e in events if e["name"] == "megascan.rank"]
+        assert meta["granularity"] == "layer" and "no peers" in meta["granularity_reason"], meta
+        assert any(e.get("cat") == "compute.layer" for e in events)
+        for event in events:
             if event.get("cat") == "p2p" and event["ph"] == "X":
                 for send in event["args"]["sends"]:
                     assert {"peer", "seq", "direction", "chunk", "microbatch"} <= send.keys(), send

@@ -50,6 +50,26 @@ _COMPUTE = {
 }
 
 
+def choose_granularity(
+    setting: Optional[Granularity], pipeline: int, tensor: int, data_parallel: int
+) -> tuple[Granularity, str]:
+    """The granularity a fit traces at, and why: the user's setting wins; otherwise ``"layer"`` where the ranks
+    of a pipeline stage have no peers (no tensor- or data-parallel replica does the same work), because detection
+    compares a rank's compute with its stage's peers and, without any, can only compare layer parts across
+    stages (a slow stage is otherwise unseen). Layer spans cost a few events per layer and microbatch, so
+    layouts with peers keep ``"stage"``."""
+    if setting is not None:
+        return setting, "set by MegaScan(granularity=...)"
+    if pipeline > 1 and tensor * data_parallel == 1:
+        return "layer", (
+            f"chosen: {pipeline} pipeline stages of one rank each, no peers to compare within a stage, so layer "
+            "parts are compared across stages"
+        )
+    if tensor * data_parallel > 1:
+        return "stage", "chosen: every stage has peer ranks to compare with"
+    return "stage", "chosen: one process (compared with its own earlier steps)"
+
+
 class MegaScan(pl.Callback, StepListener):
     """Trace ``window`` consecutive steps every ``interval`` steps, one Chrome trace file per rank.
 
@@ -68,6 +88,10 @@ class MegaScan(pl.Callback, StepListener):
         granularity: ``"stage"``: forward/backward per microbatch and chunk, pipeline sends/receives,
             collectives, gradient sync, optimizer step, data wait. ``"layer"`` adds attention and MLP of
             every layer; ``"op"`` every module with parameters inside the layers (costly: for diagnosis).
+            None (the default) chooses per job (``choose_granularity``): ``"layer"`` where a pipeline stage
+            has no peer rank to be compared with (pure pipeline parallelism), since only its layer parts can be
+            compared across stages; ``"stage"`` elsewhere. The choice and its reason are in every rank file's
+            metadata (``granularity``, ``granularity_reason``) and in the report's parameters.
         detect: At fit end, rank 0 reads all traces and reports slow ranks (``self.report``, the console,
             the Trainer's logger).
         detect_options: Thresholds for ``scan.detect.detect`` (``min_slowdown``, ``min_z``, ``min_impact``).
@@ -97,12 +121,11 @@ class MegaScan(pl.Callback, StepListener):
             tear-down), so the default, one window in 10 (with ``interval=5``: one step in 50), keeps it near
             0.6% of that job's time.
         trace_replays: Whether a traced step that the strategy replays as a CUDA graph is traced as a replay (the
-            graph's own events, ``scan.recorder``) or run eagerly. None: replays in one-process fits, whose
-            replayed traces were checked against eager ones; eagerly at TP/DP. True: replays at TP/DP too, where
-            that check has not run on GPUs yet (a warning says so). An eager traced step of a launch-bound model
-            is paced by its host, which the replayed job is not: on 2 x H200 at DP2, eager traced steps named a
-            rank whose host queued slower in a third of clean fits. Such steps are marked ``in_place_of_replay``
-            and that launch pace is not named (``scan.attribution``). False: traced steps always run eagerly.
+            graph's own events, ``scan.recorder``) or run eagerly. True (and None, the same): replays, at every
+            layout, so that tracing leaves the job's steps as they are; an eager step in place of a replay can
+            take several times as long (docs/evaluation/megascan.md). False: traced steps run eagerly, which
+            gives per-kernel host enqueue times; such steps are marked ``in_place_of_replay``, and their launch
+            pace, which the replayed job does not pay, is not named (``scan.attribution``).
     """
 
     def __init__(
@@ -111,7 +134,7 @@ class MegaScan(pl.Callback, StepListener):
         interval: int = 5,
         window: int = 2,
         start_step: int = 1,
-        granularity: Granularity = "stage",
+        granularity: Optional[Granularity] = None,
         detect: bool = True,
         detect_options: Optional[dict[str, float]] = None,
         detect_every: Optional[int] = None,
@@ -135,8 +158,11 @@ class MegaScan(pl.Callback, StepListener):
                 f"MegaScan(interval={interval}, window={window}): need 1 <= window <= interval "
                 "(window steps are traced out of every interval steps)."
             )
-        if granularity not in ("stage", "layer", "op"):
-            raise MegatronConfigError(f"MegaScan(granularity={granularity!r}): choose 'stage', 'layer' or 'op'.")
+        if granularity not in (None, "stage", "layer", "op"):
+            raise MegatronConfigError(
+                f"MegaScan(granularity={granularity!r}): choose 'stage', 'layer' or 'op', or leave it None to let "
+                "MegaScan choose per job."
+            )
         if start_step < 0 or clock_rounds < 1:
             raise MegatronConfigError("MegaScan: start_step must be >= 0 and clock_rounds >= 1.")
         if detect_every is not None and (detect_every < 1 or detect_steps < 2):
@@ -158,7 +184,11 @@ class MegaScan(pl.Callback, StepListener):
         self._trace_dir_arg = trace_dir
         self.trace_dir: Optional[Path] = Path(trace_dir) if trace_dir is not None else None
         """Where the files go; resolved in ``setup`` when the argument was None."""
-        self.granularity = granularity
+        self.granularity_setting: Optional[Granularity] = granularity
+        """What the user asked for (None: chosen per job)."""
+        self.granularity: Optional[Granularity] = granularity
+        """The granularity this fit traces at: the setting, or what ``choose_granularity`` chose at fit start."""
+        self.granularity_reason = "set by MegaScan(granularity=...)" if granularity is not None else ""
         self.detect, self.gzip, self.clock_rounds = detect, gzip, clock_rounds
         self.detect_options = dict(detect_options or {})
         self._online = OnlineDetection(detect_steps, start_step, self.detect_options, on_detect)
@@ -169,15 +199,14 @@ class MegaScan(pl.Callback, StepListener):
         self._recorder: Optional[SpanRecorder] = None
         self._collectives: Optional[CollectiveTracer] = None
         self._layers: Optional[LayerTracer] = None
+        self._layers_always = False  # layer hooks stay attached between windows (traced replays only)
         self._context: dict[str, Any] = {}
         self._open: dict[str, list[Span]] = {}
         self._open_outside: dict[str, list[Span]] = {}  # the window's open spans while a capture runs
         self.traces_replays = True
-        """Whether steps replayed as CUDA graphs are traced (set in ``setup`` from ``trace_replays``): by default in
-        one-process fits, whose replayed traces were checked against eager ones (``tests/test_scan_graphs_gpu.py``).
-        At TP/DP the collective spans and the detection rules were evaluated on eager steps, so there the traced
-        steps run eagerly unless ``trace_replays=True``, until replayed multi-GPU traces have been checked the same
-        way."""
+        """Whether steps replayed as CUDA graphs are traced as replays (set in ``setup`` from ``trace_replays``).
+        Replayed traces are checked against eager ones in ``tests/test_scan_graphs_gpu.py`` (one GPU, TP2 and
+        DP2)."""
         self._p2p_seq: dict[tuple[int, str, str], int] = {}
         self._step_span: Optional[Span] = None
         self._run_delay = RunDelay()  # the training thread's waits for a CPU (``scan.sched``)
@@ -246,14 +275,7 @@ class MegaScan(pl.Callback, StepListener):
             raise MegatronConfigError(
                 f"MegaScan(profile_steps={self.profile_steps}): {late} never run with max_steps={trainer.max_steps}."
             )
-        world = trainer.world_size
-        self.traces_replays = world == 1 if self._trace_replays is None else self._trace_replays
-        if self._trace_replays and world > 1:
-            warnings.warn(
-                f"MegaScan(trace_replays=True) with {world} processes: replayed traces at TP/DP have not been "
-                "checked against eager ones on GPUs yet (collective and gradient-sync spans inside the graph).",
-                stacklevel=2,
-            )
+        self.traces_replays = self._trace_replays is not False
         self._busy_blocked = self.gpu_busy and isinstance(trainer.profiler, PyTorchProfiler)
         if self._busy_blocked:
             warnings.warn(
@@ -290,10 +312,18 @@ class MegaScan(pl.Callback, StepListener):
         self._recorder = SpanRecorder(rank, use_cuda, busy=busy)
         self._context = {"step": None}
         self._collectives = CollectiveTracer(self._recorder, self._context)
+        layout = parallel.layout
+        self.granularity, self.granularity_reason = choose_granularity(
+            self.granularity_setting, layout.pipeline, layout.tensor, parallel.data_parallel_size
+        )
         if self.granularity != "stage":
             self._layers = LayerTracer(self._recorder, self._context, ops=self.granularity == "op")
-            self._layers.attach(strategy.wrapped_chunks)
-        layout = parallel.layout
+            # Module hooks slow every step they are attached to (full backward hooks wrap each part's inputs and
+            # outputs in autograd functions), so they are attached for the traced windows only -- except where
+            # traced steps are graph replays, whose layer events are recorded once, by the captured step.
+            self._layers_always = self.traces_replays and getattr(strategy, "step_graph", None) is not None
+            if self._layers_always:
+                self._layers.attach(strategy.wrapped_chunks)
         info = {
             "world_size": world,
             **coords,
@@ -302,6 +332,7 @@ class MegaScan(pl.Callback, StepListener):
             "device": str(strategy.root_device),
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "granularity": self.granularity,
+            "granularity_reason": self.granularity_reason,
             "pipeline_size": layout.pipeline,
             "tensor_size": layout.tensor,
             "data_parallel_size": parallel.data_parallel_size,
@@ -348,6 +379,8 @@ class MegaScan(pl.Callback, StepListener):
         if not recorder.active:
             recorder.begin_window(busy=self._busy_window(step))
             self._collectives.install()
+            if self._layers is not None and not self._layers_always:
+                self._layers.attach(self._strategy.wrapped_chunks)
         self._context["step"] = step
         self._context["p2p_bytes"] = self._p2p_bytes(batch)
         self._p2p_seq = {}
@@ -417,6 +450,8 @@ class MegaScan(pl.Callback, StepListener):
 
     def _finish_window(self) -> None:
         self._collectives.uninstall()
+        if self._layers is not None and not self._layers_always:
+            self._layers.detach()
         events = self._recorder.end_window()
         self._open = {}
         self._write(events)

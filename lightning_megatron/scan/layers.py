@@ -1,9 +1,10 @@
 """Per-layer spans (``granularity="layer"``: attention and MLP; ``"op"``: every module with parameters).
 
 Module hooks, attached only when asked for: forward pre/post hooks time the forward, full backward
-pre/post hooks the backward. Like every MegaScan span they cost nothing outside traced windows beyond a
-flag check, but inside a window they add two timestamps per module call, which is why ``"stage"`` is the
-default.
+pre/post hooks the backward. Full backward hooks are not free even when they record nothing: they wrap every
+part's inputs and outputs in autograd functions, which slows each step they are attached to. MegaScan therefore
+attaches them for its traced windows only (``attach``/``detach`` around each window), and chooses ``"layer"``
+by default only where nothing else can compare a stage (pure pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class LayerTracer:
         self._open: dict[tuple[int, str], list[Span]] = {}
 
     def attach(self, chunks: Sequence[torch.nn.Module]) -> None:
+        if self._handles:  # attached already
+            return
         for chunk in chunks:
             for layer in unwrap_model(chunk).modules():
                 if not isinstance(layer, TransformerLayer):
@@ -78,3 +81,4 @@ class LayerTracer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._open = {}
