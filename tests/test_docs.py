@@ -50,3 +50,11 @@ def test_references_to_results_exist():
             if not (RESULTS / ref).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {ref}")
     assert not missing, "\n".join(missing)
+
+
+def test_readme_links_exist():
+    """Every relative link of the README names a file of the repository (GitHub renders them as is)."""
+    text = (ROOT / "README.md").read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
+    missing = [t for t in targets if t and not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
