@@ -58,6 +58,7 @@ DOCS_ENV := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true PYTHONPATH=$(CUR
 docs: setup
 	$(BIN)/python docs/gen_benchmarks.py --check
 	$(DOCS_ENV) $(BIN)/mkdocs build --strict
+	$(BIN)/python docs/check_reference.py
 
 docs-serve: setup
 	$(DOCS_ENV) $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000

@@ -111,6 +111,19 @@ def _lookup(sources: list[dict[str, Any]], *keys: str) -> Any:
     return None
 
 
+def _describe(data: Any) -> str:
+    """For a file without a ``what``: its benchmark's name and the settings that tell its cases apart."""
+    if not isinstance(data, dict):
+        return ""
+    name = data.get("benchmark") or data.get("suite") or ""
+    settings = data.get("settings") if isinstance(data.get("settings"), dict) else data
+    parts = [f"{settings[key]}" for key in ("layout", "mode") if isinstance(settings.get(key), str)]
+    for key, label in (("microbatches", "microbatches"), ("layer_spec", "spec"), ("tensor_parallel", "TP")):
+        if isinstance(settings.get(key), (int, str)):
+            parts.append(f"{label} {settings[key]}")
+    return f"{name} benchmark" + (f" ({', '.join(parts)})" if parts else "") if name else ""
+
+
 def _command(value: Any) -> str:
     if isinstance(value, dict):
         value = list(value.values())
@@ -151,7 +164,7 @@ def read(path: Path) -> Result:
         result.missing = list(REQUIRED)
         return result
     sources = _sources(data)
-    result.what = _first_sentence(_lookup(sources, "what", "benchmark", "suite") or "")
+    result.what = _first_sentence(_lookup(sources, "what") or _describe(data) or "")
     result.command = _command(_lookup(sources, "command", "commands"))
     result.date = str(_lookup(sources, "date") or "")[:10]
     if not result.date:
