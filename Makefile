@@ -3,6 +3,8 @@
 #                4 CPU processes) and print samples from it
 #   make test    install what is missing, then run the test suite
 #   make lint    ruff
+#   make docs    build the docs site (mkdocs-material, API reference from the docstrings) into ./site, strictly:
+#                a broken link or reference fails; `make docs-serve` serves it on 127.0.0.1:8000
 #   make webui   rebuild MegaScope's web UI (webui/, Node 20+) into lightning_megatron/scope/static
 #   make webui-check  the UI's type and unit tests, and the committed bundle is what webui/ builds (CI)
 # Everything goes into ./.venv (override with VENV=...). On CPU machines torch is pinned to the CPU
@@ -18,7 +20,7 @@ NATIVE := setup.py native/lmt_build.py $(wildcard native/src/*.cpp native/src/*.
 
 KJV := runs/data/kjv
 
-.PHONY: setup demo test lint clean webui webui-check
+.PHONY: setup demo test lint docs docs-serve clean webui webui-check
 
 setup: $(STAMP)
 
@@ -49,6 +51,18 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The docs build offline: no web fonts, no plugins that fetch at build time. The benchmark pages and the API
+# reference are generated from benchmarks/results/ and the package at every build (docs/gen_*.py).
+DOCS_ENV := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true PYTHONPATH=$(CURDIR)
+
+docs: setup
+	$(BIN)/python docs/gen_benchmarks.py --check
+	$(DOCS_ENV) $(BIN)/mkdocs build --strict
+	$(BIN)/python docs/check_reference.py
+
+docs-serve: setup
+	$(DOCS_ENV) $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
 # The bundle is committed (pip install needs no Node); its BUILD_STAMP.json lets the test suite check it without Node.
 WEBUI_DEPS := webui/node_modules/.package-lock.json
 
@@ -62,4 +76,4 @@ webui-check: $(WEBUI_DEPS)
 	cd webui && npm run check:types && npm run typecheck && npm run format:check && npm test && npm run check:bundle
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info lightning_megatron/transport/_native*.so
+	rm -rf $(VENV) runs build site *.egg-info lightning_megatron/transport/_native*.so

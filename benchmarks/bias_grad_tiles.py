@@ -1,6 +1,6 @@
 """Choose the bias-gradient kernel's tiles (``kernels.bias.TILES``) on this GPU: time candidate tiles against ATen.
 
-    python benchmarks/bias_grad_tiles.py --out benchmarks/results/bias_grad_tiles_h100.json
+    python benchmarks/bias_grad_tiles.py --out benchmarks/results/kernels/bias_grad_tiles_h100.json
 
 For each width, ``bias_grad`` (a column sum of a ``[8192, width]`` bf16 gradient) with every candidate tile and
 ATen's ``sum(0)`` are each captured in a CUDA graph of 20 calls and replayed alternately (15 rounds, the order
@@ -100,7 +100,7 @@ def time_graphed(variants: dict[str, Callable[[], Any]]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/bias_grad_tiles.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kernels/bias_grad_tiles.json")
     args = parser.parse_args()
 
     import torch

@@ -1,7 +1,7 @@
 """MegaDPP vs megatron-core's interleaved schedule: step time and peak memory, clean and with late links.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/dpp.py --microbatches 8 --out benchmarks/results/dpp_m8.json
-    torchrun --standalone --nproc-per-node 2 benchmarks/dpp.py --cpu --out benchmarks/results/dpp_cpu.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/dpp.py --microbatches 8 --out benchmarks/results/schedules/dpp_m8.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/dpp.py --cpu --out benchmarks/results/schedules/dpp_cpu.json
     torchrun --standalone --nproc-per-node 2 benchmarks/dpp.py --cpu-dry-run --out /tmp/dpp.json   # plumbing check
 
 One launch builds one PP × VPP2 model, one pipeline stage per process (``--nproc-per-node 4``: PP4 × VPP2; GPT

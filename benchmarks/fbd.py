@@ -1,6 +1,6 @@
 """The weight-gradient split (``"zb-h1"``) vs megatron-core's 1F1B and interleaved schedules: step time, memory.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --microbatches 8 --out benchmarks/results/zb_m8.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --microbatches 8 --out benchmarks/results/schedules/zb_m8.json
     torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --vpp 2 --microbatches 8 --out ...vpp2.json
     torchrun --standalone --nproc-per-node 2 benchmarks/fbd.py --cpu-dry-run --out /tmp/zb.json   # plumbing
 

@@ -1,6 +1,6 @@
 """Layout parity on GPUs: every TP/PP/VPP/DP/SP layout must train like one GPU (NCCL, bf16 and fp32).
 
-    python benchmarks/gpu_parity.py --out benchmarks/results/gpu_parity.json          # all layouts that fit
+    python benchmarks/gpu_parity.py --out benchmarks/results/gpu_tests/gpu_parity.json          # all layouts that fit
     python benchmarks/gpu_parity.py --only tp2 pp2 --precision bf16-mixed --out x.json
 
 Each layout is one ``Trainer.fit`` of a small GPT for a few steps, started the way users start it
@@ -181,7 +181,7 @@ def main() -> int:
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", help="layouts to run (default: all that fit on the visible GPUs)")
     parser.add_argument("--precision", nargs="*", default=["bf16-mixed", "32-true"])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu_parity.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu_tests/gpu_parity.json")
     parser.add_argument("--accelerator", default="gpu", help="'cpu' for a dry run of the driver (with --devices)")
     parser.add_argument("--devices", type=int, help="devices available (default: visible GPUs)")
     parser.add_argument("--append", action="store_true", help="add to the runs already in --out")

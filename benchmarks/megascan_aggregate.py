@@ -91,7 +91,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--gzip", action="store_true", help="gzipped rank files (the merged file is .json.gz always)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "megascan_aggregate.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "megascan" / "megascan_aggregate.json"
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "ARG1", "ARG2"), help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """MegaScan's detection against faults it was not built from: recall and precision per fault kind and layout.
 
-    python benchmarks/megascan_eval.py --runs 10 --out benchmarks/results/megascan_eval_2xh200.json   # 2 GPUs
-    python benchmarks/megascan_eval.py --cpu --runs 4 --out benchmarks/results/megascan_eval_cpu.json  # gloo
+    python benchmarks/megascan_eval.py --runs 10 --out benchmarks/results/megascan/megascan_eval_2xh200.json   # 2 GPUs
+    python benchmarks/megascan_eval.py --cpu --runs 4 --out benchmarks/results/megascan/megascan_eval_cpu.json  # gloo
 
     python benchmarks/megascan_eval.py --layouts single --steps 34 --runs 10 --out ...   # one GPU, faults mid-fit
 

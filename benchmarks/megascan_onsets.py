@@ -1,6 +1,6 @@
 """MegaScan against a rank's own history: where in a run a slowdown can begin and still be found (CPU, synthetic).
 
-    python benchmarks/megascan_onsets.py --out benchmarks/results/megascan_onsets_synthetic.json
+    python benchmarks/megascan_onsets.py --out benchmarks/results/megascan/megascan_onsets_synthetic.json
     python benchmarks/megascan_onsets.py --seeds 5 --onsets 8 17 --out /tmp/onsets.json     # a quick look
 
 One process, ``--steps`` steps (34 by default, as ``megascan_eval.py --layouts single``), traced by the synthetic

@@ -1,6 +1,6 @@
 """MegaScan on GPUs: tracing overhead, and detection accuracy with injected slowdowns.
 
-    python benchmarks/megascan_overhead.py --out benchmarks/results/megascan.json            # 1 and 4 GPUs
+    python benchmarks/megascan_overhead.py --out benchmarks/results/megascan/megascan.json            # 1 and 4 GPUs
     python benchmarks/megascan_overhead.py --cpu-dry-run --out /tmp/megascan.json           # plumbing only
     python benchmarks/megascan_overhead.py --only overhead --layout dp-tp2-pp2 --out OUT.json  # 8 GPUs: DP2 x TP2 x PP2
 
@@ -326,7 +326,7 @@ def _score(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/megascan.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/megascan/megascan.json")
     parser.add_argument("--runs", type=int, default=10, help="detection runs per slowdown and clean")
     parser.add_argument("--pairs", type=int, default=3, help="overhead: alternations of plain and traced fits")
     parser.add_argument("--only", nargs="*", default=["overhead", "detection"])

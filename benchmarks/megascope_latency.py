@@ -1,7 +1,7 @@
 """MegaScope on one GPU: what probes cost per generated token, how fast a token reaches the client, and what
 a sampled training step costs.
 
-    python benchmarks/megascope_latency.py --out benchmarks/results/megascope.json     # GPU, GPT-2-medium shape
+    python benchmarks/megascope_latency.py --out benchmarks/results/megascope/megascope.json     # GPU, GPT-2-medium shape
     python benchmarks/megascope_latency.py --cpu-dry-run --out /tmp/megascope.json       # plumbing only
 
 Generation (GPT-2-medium shape: 24 layers, hidden 1024, 16 heads, vocab 50257, bf16, KV cache, sdpa
@@ -245,7 +245,7 @@ def training(model: dict[str, Any], gpu: bool, steps: int) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/megascope.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/megascope/megascope.json")
     parser.add_argument("--rounds", type=int, default=5, help="alternations of the four generation cases")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--train-steps", type=int, default=24)

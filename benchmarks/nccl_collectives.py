@@ -1,6 +1,6 @@
 """How fast NCCL's tensor-parallel collectives go here under each NCCL setting, and what NCCL picks itself.
 
-    python benchmarks/nccl_collectives.py --nccl-info --out benchmarks/results/nccl_collectives_2gpu.json   # 2 GPUs
+    python benchmarks/nccl_collectives.py --nccl-info --out benchmarks/results/transport/nccl_collectives_2gpu.json   # 2 GPUs
     python benchmarks/nccl_collectives.py --settings default Simple NCCL_MIN_NCHANNELS=32 --sizes-mib 16 32
     python benchmarks/nccl_collectives.py --cpu-dry-run --out /tmp/nccl.json                                 # gloo
 
@@ -204,7 +204,7 @@ def main() -> int:
         help="log NCCL's set-up and tuning (NCCL_DEBUG=INFO) in the first round's default run; kept under nccl_info",
     )
     parser.add_argument("--cpu-dry-run", action="store_true", help="gloo on CPU, small sizes: checks the plumbing")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nccl_collectives.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/transport/nccl_collectives.json")
     args = parser.parse_args()
     if args.worker_spec:
         _worker(json.loads(args.worker_spec))

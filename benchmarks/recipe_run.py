@@ -1,6 +1,6 @@
 """Run a recipe as a user would, through the command line, and record what it did.
 
-    python benchmarks/recipe_run.py recipes/gpt2-medium-1gpu.yaml --out results/recipe_gpt2-medium.json
+    python benchmarks/recipe_run.py recipes/gpt2-medium-1gpu.yaml --out benchmarks/results/throughput/recipe_gpt2-medium.json
     python benchmarks/recipe_run.py recipes/gpt-1.3b-tp2.yaml --out r.json -- --trainer.max_steps=200
 
 In a scratch directory (``--workdir``; default a temporary one), the three commands of the recipe's header:

@@ -1,6 +1,6 @@
 """Training throughput: this strategy (per layer spec) vs a raw megatron-core loop vs plain `transformers`.
 
-    python benchmarks/throughput.py --out benchmarks/results/throughput.json       # every case that fits
+    python benchmarks/throughput.py --out benchmarks/results/throughput/throughput.json       # every case that fits
     python benchmarks/throughput.py --only gpt-1.3b/tp2 --profile profile.txt      # + torch.profiler tables
     python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf
     python benchmarks/throughput.py --cpu-dry-run --out /tmp/throughput.json        # tiny shapes, checks plumbing
@@ -254,7 +254,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="cases as model/layout, e.g. gpt2-medium/1gpu")
     parser.add_argument("--runners", nargs="*", default=RUNNERS)
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing only")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/throughput.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/throughput/throughput.json")
     parser.add_argument("--append", action="store_true", help="add to the runs already in --out")
     parser.add_argument("--profile", type=Path, help="append a torch.profiler table of each run to this file")
     parser.add_argument(

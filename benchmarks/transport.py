@@ -4,10 +4,10 @@
     python benchmarks/transport.py --quick             # smoke run: a few sizes, one repeat (seconds)
     python benchmarks/transport.py --transports torch shm --max-size 64MiB
     python benchmarks/transport.py --transports ucx ucx-cma ucx-tcp shm tcp --max-size 64MiB --repeats 5 \
-        --out benchmarks/results/transport_cpu_ucx.json   # ucx (the ucx extra) beside shm and tcp
+        --out benchmarks/results/transport/transport_cpu_ucx.json   # ucx (the ucx extra) beside shm and tcp
     python benchmarks/transport.py --gpu               # 2 GPUs: shm (and ucx) GPU-to-GPU vs NCCL send/recv vs torch over NCCL
     python benchmarks/transport.py --one-gpu --transports shm ucx ucx-short-spin   # both processes on GPU 0 (no NCCL)
-    python benchmarks/transport.py --replot benchmarks/results/transport_cpu.json   # redraw the plot only
+    python benchmarks/transport.py --replot benchmarks/results/transport/transport_cpu.json   # redraw the plot only
 
 Per transport and message size (4 KiB ... 256 MiB, powers of 4):
 
@@ -38,7 +38,7 @@ bandwidth, not over NVLink, so compare transports within such a run, never with 
 included). Received tensors are fresh allocations on every transport (the receiver owns them), which costs
 page faults for large messages; NCCL's baseline receives into preallocated buffers, as a training loop does.
 
-Results (JSON with provenance) go to ``benchmarks/results/transport_{cpu,gpu}.json`` and a plot beside it
+Results (JSON with provenance) go to ``benchmarks/results/transport/transport_{cpu,gpu}.json`` and a plot beside it
 (``.png``: bandwidth and latency vs size, log-x).
 """
 
@@ -441,7 +441,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--max-size", type=parse_size, default=256 * MiB)
     parser.add_argument("--repeats", type=int, help="runs per figure, median reported (default 3; quick 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for one transport's whole sweep")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/transport_{cpu,gpu}.json)")
+    parser.add_argument(
+        "--out", type=Path, help="JSON path (default benchmarks/results/transport/transport_{cpu,gpu}.json)"
+    )
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the plot of an earlier result")
     args = parser.parse_args(argv)
@@ -467,7 +469,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             parser.error(f"--one-gpu: {refused} need NCCL, which refuses two ranks on one GPU; use --gpu on 2 GPUs")
     names = args.transports or (gpu_names if gpus else cpu_names)
     mode = {0: "cpu", 1: "one-gpu", 2: "gpu"}[gpus]
-    out = args.out or ROOT / "benchmarks" / "results" / f"transport_{mode.replace('-', '_')}.json"
+    out = args.out or ROOT / "benchmarks" / "results" / "transport" / f"transport_{mode.replace('-', '_')}.json"
     started = time.perf_counter()
 
     import torch

@@ -1,6 +1,6 @@
 """Where a ``ucx`` device message's time goes: a per-message timeline of one stream, on 2 GPUs.
 
-    python benchmarks/ucx_phases.py --out benchmarks/results/ucx_phases_2xh200.json
+    python benchmarks/ucx_phases.py --out benchmarks/results/transport/ucx_phases_2xh200.json
     python benchmarks/ucx_phases.py --size 16MiB --cases default one-pull proto-v1 fresh --out ...
 
 ``benchmarks/transport.py`` gives one number per size; its GPU runs showed a cost of 120-150 µs per message
