@@ -51,11 +51,11 @@ from typing import Any, Optional
 import flask
 import flask_socketio
 import simple_websocket
-from engineio.async_drivers._websocket_wsgi import SimpleWebSocketWSGI
 from socketio.exceptions import ConnectionRefusedError
 from werkzeug.serving import WSGIRequestHandler, make_server
 
 from lightning_megatron import __version__
+from lightning_megatron.compat import engineio as compat_engineio
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope.delivery import Item, Outbox, Sender, Worker
 from lightning_megatron.scope.protocol import (
@@ -97,7 +97,7 @@ class _Generation:
     done: bool = False
 
 
-class _BoundedWebSocket(SimpleWebSocketWSGI):
+class _BoundedWebSocket(compat_engineio.SimpleWebSocketWSGI):
     """Engine.IO's websocket driver with a message size limit enforced while the message arrives (Engine.IO
     checks only after simple-websocket has buffered all of it). simple-websocket wakes its reader before it
     marks an oversized connection closed, so a reader waiting without a timeout could sleep forever: wait in
@@ -190,6 +190,16 @@ class ScopeServer:
         self._connections: set[socket.socket] = set()
         self._generation: Optional[_Generation] = None
         self._httpd: Any = None
+        # Everything start() fills in exists from here on (as not running), so no method meets a missing attribute.
+        self._stopping = threading.Event()
+        self._hosts: set[str] = set()
+        self._app: Optional[flask.Flask] = None
+        self._sio: Optional[flask_socketio.SocketIO] = None
+        self._outbox: Optional[Outbox] = None
+        self._generate_worker: Optional[Worker] = None
+        self._control_worker: Optional[Worker] = None
+        self._sender: Optional[Sender] = None
+        self._http_thread: Optional[threading.Thread] = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     @property
@@ -209,7 +219,7 @@ class ScopeServer:
                 "MegaScope listens on %s, reachable from other machines; anyone there with the token can drive the model.",
                 self.host,
             )
-        self._stopping = threading.Event()
+        self._stopping.clear()
         handler = type("_Handler", (_RequestHandler,), {"scope": self})
         self._httpd = make_server(self.host, self.port, self._wsgi, threaded=True, request_handler=handler)
         self.port = self._httpd.server_port
@@ -315,9 +325,9 @@ class ScopeServer:
         server.on("disconnect", self._on_disconnect)
         server.on("request", self._on_request)
         server.on("*", self._on_other)
+        compat_engineio.guard_messages(server, self._on_bad_packet)
         # Engine.IO's ping threads sleep through `sleep`: make it end at stop().
-        eio = server.eio
-        eio._async = {**eio._async, "websocket": _BoundedWebSocket, "sleep": self._stopping.wait}
+        compat_engineio.install_drivers(server.eio, websocket=_BoundedWebSocket, sleep=self._stopping.wait)
         return app
 
     def _page(self) -> flask.Response:
@@ -397,6 +407,13 @@ class ScopeServer:
             _log.exception("MegaScope could not handle a request")
             self._error(sid, rid, "internal", "the server failed on this request")
 
+    def _on_bad_packet(self, sid: Optional[str], error: BaseException) -> None:
+        """A packet that python-socketio could not decode (invalid JSON, too deep, a huge integer, a bad binary
+        placeholder): the client is told what was wrong, the connection goes on."""
+        _log.info("MegaScope refused an undecodable message (%s)", type(error).__name__)
+        if sid is not None:
+            self._send(sid, ProtocolError("bad_request", "", compat_engineio.bad_packet_reason(error)).event(), None)
+
     def _dispatch(self, sid: str, rid: str, request: dict) -> None:
         kind = request["type"]
         if kind == "ping":
@@ -434,6 +451,8 @@ class ScopeServer:
 
     @staticmethod
     def _engine_error(exc: Exception) -> ProtocolError:
+        if isinstance(exc, ProtocolError):  # the engine named the field
+            return exc
         if isinstance(exc, MegatronConfigError):
             return ProtocolError("bad_request", None, str(exc)[:1000])
         _log.error("MegaScope engine failed", exc_info=exc)
@@ -500,9 +519,5 @@ class ScopeServer:
 
     def _backlog(self, sid: str) -> Optional[int]:
         """Packets queued in ``sid``'s Engine.IO transport and not yet written; None once it is gone."""
-        server = self._sio.server
-        eio_sid = server.manager.eio_sid_from_sid(sid, "/")
-        transport = server.eio.sockets.get(eio_sid) if eio_sid is not None else None
-        if transport is None or transport.closed:
-            return None
-        return transport.queue.qsize()
+        assert self._sio is not None
+        return compat_engineio.backlog(self._sio.server, sid)
