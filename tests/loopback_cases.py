@@ -3,7 +3,6 @@ without MegaScope, a served model, the transports) and returns the sockets this 
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from typing import Any
 
@@ -25,12 +24,6 @@ def listening(pid: int | None = None) -> list[tuple[str, str, int]]:
         elif conn.type == socket.SOCK_DGRAM and not conn.raddr and conn.laddr:
             found.append(("udp", conn.laddr.ip, conn.laddr.port))
     return found
-
-
-def is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%")[0])
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
 
 
 class _Look(pl.Callback):

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 from distributed import WorkerGroup
-from loopback_cases import fit_sockets, is_loopback, listening, serve_sockets, transport_sockets
+from loopback_cases import fit_sockets, listening, serve_sockets, transport_sockets
 
 import lightning_megatron.strategy  # noqa: F401  (imported before the ranks fork)
+from lightning_megatron.loopback import is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 

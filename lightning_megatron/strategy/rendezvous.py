@@ -27,7 +27,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["init_process_group", "loopback_interface", "one_node_loopback"]
+from lightning_megatron.loopback import loopback_interface
+
+__all__ = ["init_process_group", "one_node_loopback"]
 
 _log = logging.getLogger(__name__)
 _EXIT_KEY = "lightning_megatron/exited"
@@ -35,19 +37,6 @@ EXIT_WAIT_S = 30.0
 """How long rank 0 keeps its store at exit for ranks that have not released their process groups."""
 _held: Optional[tuple[dist.TCPStore, int, int, int]] = None
 _exit_registered = False
-
-
-def loopback_interface() -> str:
-    """The name of the network interface holding 127.0.0.1 ("lo" on Linux, "lo0" on macOS)."""
-    try:
-        import psutil
-
-        for name, addresses in psutil.net_if_addrs().items():
-            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
-                return name
-    except Exception:  # noqa: BLE001  (no psutil, or no permission: the usual name)
-        pass
-    return "lo"
 
 
 def one_node_loopback(num_nodes: int) -> bool:
