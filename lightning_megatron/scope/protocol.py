@@ -119,11 +119,13 @@ class Engine(Protocol):
         $defs/Event without ``v``/``id`` (the server adds them); arrays may be tensors, ndarrays or
         :class:`Array`. ``emit`` may block while the client catches up, and raises (TypeError, ValueError) for
         an event the wire cannot carry. Raise ``MegatronConfigError`` for values this model cannot serve (the
-        client gets ``bad_request`` with the message); any other exception becomes ``internal``."""
+        client gets ``bad_request`` with the message), or a :class:`ProtocolError` to name the field; any other
+        exception becomes ``internal``."""
         ...
 
     def set_perturbations(self, perturbations: list[dict]) -> None:
-        """Replace the active set with ``perturbations`` ($defs/Perturbation items; empty removes all)."""
+        """Replace the active set with ``perturbations`` ($defs/Perturbation items; empty removes all). Refuse,
+        rather than accept and ignore, what the model cannot apply (``scope.perturb.requested`` does)."""
         ...
 
     def control(self, request: dict) -> None:

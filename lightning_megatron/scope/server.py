@@ -17,7 +17,9 @@ MegatronApp's server bound 0.0.0.0 without authentication and evaluated text fro
   page response; serves files only from the UI bundle folder (``scope/static``), through ``safe_join``;
 * speaks websocket only, refuses a message over ``MAX_MESSAGE_BYTES`` while it arrives (the connection is
   closed, the server goes on), validates every request against the schema and answers a bad one with an
-  error naming the field; the connection stays usable;
+  error naming the field; a packet that does not even decode (invalid JSON, nested too deeply, an integer
+  of too many digits, a bad binary placeholder) is answered with ``bad_request`` saying which; an engine's
+  refusal of a value (a layer or head the model lacks) names the field too; the connection stays usable;
 * calls the engine from two worker threads (generation; everything else), never from a connection's thread
   (on CPU runs, inside ``compat.cpu.cpu_thread()``). One generation runs at a time (another gets ``busy``);
   ``stop`` from any client cancels it (all hold the same token), and so does its client leaving;
@@ -26,8 +28,8 @@ MegatronApp's server bound 0.0.0.0 without authentication and evaluated text fro
   full the oldest probe/attention events are dropped (never token, finish or error) and the client is sent a
   ``dropped`` event with the counts before its next event. A client that stops reading slows the others down.
 
-The worker threads, the queue and the sender are ``scope.delivery``'s; this module is HTTP, Socket.IO, the
-security above and what each request does.
+The worker threads, the queue and the sender are ``scope.delivery``'s; the Engine.IO/Socket.IO internals it
+needs are ``compat.engineio``'s; this module is HTTP, Socket.IO, the security above and what each request does.
 """
 
 from __future__ import annotations
