@@ -33,10 +33,12 @@ __all__ = ["init_process_group", "one_node_loopback"]
 
 _log = logging.getLogger(__name__)
 _EXIT_KEY = "lightning_megatron/exited"
-EXIT_WAIT_S = 30.0
+EXIT_WAIT_S = 15.0
 """How long rank 0 keeps its store at exit for ranks that have not released their process groups."""
 _held: Optional[tuple[dist.TCPStore, int, int, int]] = None
 _exit_registered = False
+_pointed_at_loopback: dict[str, str] = {}
+"""The interface variables this module set (a later multi-node job in the same process removes them)."""
 
 
 def one_node_loopback(num_nodes: int) -> bool:
@@ -58,6 +60,10 @@ def init_process_group(
     """``torch.distributed.init_process_group`` for the strategy: loopback only on one node (see the module)."""
     global _held, _exit_registered
     if not one_node_loopback(num_nodes):
+        for name, value in _pointed_at_loopback.items():  # set by an earlier one-node job of this process
+            if os.environ.get(name) == value:
+                del os.environ[name]
+        _pointed_at_loopback.clear()
         os.environ["MASTER_ADDR"] = main_address
         os.environ["MASTER_PORT"] = str(main_port)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
@@ -65,8 +71,9 @@ def init_process_group(
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(main_port)
     interface = loopback_interface()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if name not in os.environ:  # the user's choice stands
+            os.environ[name] = _pointed_at_loopback[name] = interface
     _held = None  # a store of an earlier, destroyed process group goes now (rank 0: its port is free again)
     store = _loopback_store(rank, world_size, main_port, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
