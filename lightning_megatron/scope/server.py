@@ -412,7 +412,7 @@ class ScopeServer:
     def _on_bad_packet(self, sid: Optional[str], error: BaseException) -> None:
         """A packet that python-socketio could not decode (invalid JSON, too deep, a huge integer, a bad binary
         placeholder): the client is told what was wrong, the connection goes on."""
-        _log.info("MegaScope refused an undecodable message (%s)", type(error).__name__)
+        _log.debug("MegaScope refused an undecodable message (%s)", type(error).__name__)
         if sid is not None:
             self._send(sid, ProtocolError("bad_request", "", compat_engineio.bad_packet_reason(error)).event(), None)
 
