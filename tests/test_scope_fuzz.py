@@ -182,7 +182,9 @@ def _perturbations(*items: dict) -> dict:
     return {"v": 1, "type": "set_perturbations", "id": "p", "perturbations": list(items)}
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+)
 @given(request=REQUESTS)
 # what a tester found: each once answered with an internal error or acknowledged and then ignored
 @example(request={"v": 1, "type": "generate", "id": "g", "prompts": ["ab"], "temperature": 1e-300, "max_new_tokens": 2})
@@ -235,7 +237,9 @@ PACKETS = st.one_of(
 )
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+)
 @given(body=PACKETS)
 def test_every_malformed_packet_is_answered(fuzzed, body):
     """A Socket.IO event packet whose payload is anything: an answer before the next request's."""
