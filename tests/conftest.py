@@ -19,7 +19,18 @@ def ranks(tmp_path_factory: pytest.TempPathFactory):
     pool.close()
 
 
-_LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK")
+# GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: a one-node fit points them at loopback (strategy/rendezvous.py); a
+# two-"host" test's subprocesses must not inherit that.
+_LAUNCHER_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "RANK",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -208,3 +208,14 @@ def test_sample_tokens_filters() -> None:
         sample_tokens(logits, temperature=2.0, generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)
     ]
     assert draws == again
+
+
+def test_sample_tokens_with_vanishing_temperature_or_top_p() -> None:
+    """Values the schema allows (temperature, top_p > 0) but fp32 cannot divide by or hold: the most likely
+    token, never a NaN probability; logits a perturbation made non-finite still give a token."""
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 4.0]])
+    for temperature, top_p in ((1e-300, 1.0), (5e-324, 0.9), (1.0, 1e-300), (1e-40, 1e-300)):
+        g = torch.Generator().manual_seed(0)
+        assert sample_tokens(logits, temperature=temperature, top_p=top_p, generator=g).tolist() == [1, 0]
+    broken = torch.tensor([[float("nan"), 1.0, float("inf"), 0.0], [float("nan")] * 4])
+    assert sample_tokens(broken, temperature=0.7, generator=torch.Generator().manual_seed(0))[0].item() == 2

@@ -450,10 +450,16 @@ def test_oversized_and_unparsable_messages(server):
         while ws.recv() not in ("", b""):
             pass
         raise ConnectionError
-    # Socket.IO packets that do not parse are logged and ignored; the connection stays usable
+    # Socket.IO packets that do not parse are answered with what was wrong; the connection stays usable
     ws = raw_connection(server)
     ws.send('42["request",' + "[" * 20000 + "]" * 20000 + "]")  # deeper than the parser's stack
+    reply = read_event(ws)
+    assert (reply["code"], reply["field"]) == ("bad_request", "") and "nested too deeply" in reply["message"]
     ws.send('42["request",{"v": 1, "type": ')  # not JSON
+    reply = read_event(ws)
+    assert (reply["code"], reply["field"]) == ("bad_request", "") and "not valid JSON" in reply["message"]
+    ws.send('42["request",{"v": 1, "type": "ping", "id": ' + "7" * 5000 + "}]")  # a 5000-digit integer
+    assert "too many digits" in read_event(ws)["message"]
     assert raw_request(ws, ping("raw")) == {"v": 1, "type": "pong", "id": "raw"}
     # bytes smuggled in as a binary attachment are not a request
     ws.send('451-["request",{"_placeholder":true,"num":0}]')

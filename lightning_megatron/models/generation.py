@@ -134,15 +134,25 @@ def sample_tokens(
     smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus). Ties keep the lower id."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    scaled = logits / temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # A temperature so small that logits / temperature overflows (or is 0 in fp32), or logits that are not
+        # finite (a perturbed model): divide the distances to the best logit in float64, NaN counted as
+        # least likely, so the best token keeps probability > 0 and the others shrink towards 0.
+        big = torch.finfo(torch.float64).max
+        safe = logits.double().nan_to_num(nan=-big, posinf=big, neginf=-big)
+        scaled = (safe - safe.max(dim=-1, keepdim=True).values) / temperature
+    logits = scaled
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         ordered, order = logits.sort(dim=-1, descending=True, stable=True)
         probs = ordered.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens; the first is always kept
-        ordered = ordered.masked_fill(before >= top_p, float("-inf"))
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+        cut = before >= top_p
+        cut[..., 0] = False  # the most likely token is always kept (a top_p below fp32's smallest is 0 there)
+        ordered = ordered.masked_fill(cut, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 

@@ -27,7 +27,7 @@ import torch
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
 from lightning_megatron.scope.capture import Capture, Record
-from lightning_megatron.scope.perturb import KINDS, Perturbation, Perturber
+from lightning_megatron.scope.perturb import KINDS, Perturbation, Perturber, requested
 from lightning_megatron.scope.reducers import parse_reducers
 from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
 
@@ -125,9 +125,7 @@ class MegaScope(pl.Callback):
         )
 
     def set_perturbations(self, perturbations: Sequence[Mapping[str, Any]]) -> None:
-        items = [{k: v for k, v in p.items() if k != "enabled"} for p in perturbations if p.get("enabled", True)]
-        parsed = [Perturbation.from_dict(item) for item in items]
-        Perturber(self._module, parsed)  # a bad site fails now, in the client's request, not at the next step
+        parsed = requested(perturbations, self._module)  # a bad item fails now, in the client's request
         self._commands.put({"action": "perturb", "perturbations": [p.to_dict() for p in parsed]})
 
     def control(self, request: Mapping[str, Any]) -> None:

@@ -34,7 +34,7 @@ import torch
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
 from lightning_megatron.scope.capture import Capture, Record
-from lightning_megatron.scope.perturb import KINDS, Perturbation, perturb
+from lightning_megatron.scope.perturb import KINDS, Perturbation, perturb, requested
 from lightning_megatron.scope.protocol import Array
 from lightning_megatron.scope.reducers import Reduced, apply_reducers, parse_reducers
 from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
@@ -119,17 +119,7 @@ class ScopeEngine:
         return {**self.info, "perturbations": [p.to_dict() for p in self.perturbations]}
 
     def set_perturbations(self, perturbations: Sequence[Mapping[str, Any]]) -> None:
-        items = [dict(p) for p in perturbations if p.get("enabled", True)]
-        for item in items:
-            item.pop("enabled", None)
-        parsed = [Perturbation.from_dict(item) for item in items]
-        if len(parsed) > self.limits.max_perturbations:
-            raise MegatronConfigError(f"at most {self.limits.max_perturbations} perturbations at once.")
-        # validated against the model now, so a bad site fails here and not inside a generation
-        from lightning_megatron.scope.perturb import Perturber
-
-        Perturber(self.module, parsed)
-        self.perturbations = parsed
+        self.perturbations = requested(perturbations, self.module, limit=self.limits.max_perturbations)
 
     def control(self, request: Mapping[str, Any]) -> None:
         raise MegatronConfigError(

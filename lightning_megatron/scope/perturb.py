@@ -41,7 +41,7 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope.sites import ProbePoint, chunks_of, match_points, probe_points
 from lightning_megatron.scope.tap import Tap, strategy_of
 
-__all__ = ["KINDS", "Perturbation", "Perturber", "noise_draws", "perturb"]
+__all__ = ["KINDS", "Perturbation", "Perturber", "noise_draws", "out_of_range", "perturb", "requested"]
 
 Kind = Literal["gaussian", "uniform", "bitflip", "zero", "stuck"]
 KINDS: tuple[str, ...] = ("gaussian", "uniform", "bitflip", "zero", "stuck")
@@ -97,6 +97,67 @@ def _exists_in_model(site: str, config: Any) -> bool:
     return site in SITE_GROUPS or any(fnmatch.fnmatchcase(name, site) for name in names)
 
 
+def out_of_range(pert: Perturbation, config: Any) -> Optional[tuple[str, str]]:
+    """``(field, message)`` for ``layers`` or ``heads`` that name nothing ``pert.site`` has in this model (they
+    would narrow the perturbation to nothing, silently), else None. Judged on the whole model's config, so
+    every pipeline stage agrees; ``field`` is ``layers/i`` or ``heads/i``."""
+    from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names
+
+    num_layers = int(config.num_layers)
+    heads = int(config.num_attention_heads)
+    groups = int(config.num_query_groups or heads)
+    globs = [f"blocks.*.{site}" for site in SITE_GROUPS[pert.site]] if pert.site in SITE_GROUPS else [pert.site]
+    names = [
+        n
+        for n in all_point_names(num_layers, bool(config.gated_linear_unit))
+        if any(fnmatch.fnmatchcase(n, g) for g in globs)
+    ]
+    if pert.layers is not None:
+        for index, layer in enumerate(pert.layers):
+            if not 0 <= layer < num_layers:
+                return f"layers/{index}", f"{layer} is not a layer of this model (layers 0..{num_layers - 1})"
+        in_layers = [n for n in names if n.startswith("blocks.") and int(n.split(".")[1]) in pert.layers]
+        if names and not in_layers:
+            return "layers", f"site {pert.site!r} has no point in layers {list(pert.layers)}"
+    if pert.heads is not None:
+        # query heads for q, z and the pattern; key/value heads (num_query_groups) for k and v
+        limit = groups if any(n.endswith(("attn.hook_k", "attn.hook_v")) for n in names) else heads
+        for index, head in enumerate(pert.heads):
+            if not 0 <= head < limit:
+                return f"heads/{index}", f"{head} is not a head of {pert.site!r} in this model (heads 0..{limit - 1})"
+    return None
+
+
+def requested(specs: Sequence[Mapping[str, Any]], model: Any, *, limit: Optional[int] = None) -> list[Perturbation]:
+    """The active set a ``set_perturbations`` request asks for (items with ``enabled: false`` left out),
+    checked against ``model`` now, so a bad item is refused in the client's request and not inside a
+    generation or at the next training step: a ``ProtocolError`` whose field points at the item
+    (``/perturbations/2/layers/0``) and says the valid range."""
+    from lightning_megatron.scope.protocol import ProtocolError
+
+    if limit is not None and len(specs) > limit:
+        raise ProtocolError("too_large", "/perturbations", f"at most {limit} perturbations at once")
+    config = chunks_of(model)[0].config
+    parsed = []
+    for index, spec in enumerate(specs):
+        where = f"/perturbations/{index}"
+        if not spec.get("enabled", True):
+            continue
+        try:
+            pert = Perturbation.from_dict({k: v for k, v in spec.items() if k != "enabled"})
+        except MegatronConfigError as error:
+            raise ProtocolError("invalid_field", where, str(error)) from None
+        wrong = out_of_range(pert, config)
+        if wrong is not None:
+            raise ProtocolError("invalid_field", f"{where}/{wrong[0]}", wrong[1])
+        try:
+            Perturber(model, [pert])
+        except MegatronConfigError as error:
+            raise ProtocolError("bad_request", where, str(error)) from None
+        parsed.append(pert)
+    return parsed
+
+
 def _seed_of(*parts: Any) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -129,6 +190,9 @@ class Perturber:
                 raise MegatronConfigError(
                     f"perturb(heads=...) needs sites with heads (attn.hook_q/k/v/z), not {pert.site!r}."
                 )
+            wrong = out_of_range(pert, self.chunks[0].config)
+            if wrong is not None:
+                raise MegatronConfigError(f"perturb({wrong[0].split('/')[0]}=...): {wrong[1]}.")
             for point in chosen:
                 if pert.layers is None or point.layer in pert.layers:
                     self.targets.append((pert, point))

@@ -119,11 +119,13 @@ class Engine(Protocol):
         $defs/Event without ``v``/``id`` (the server adds them); arrays may be tensors, ndarrays or
         :class:`Array`. ``emit`` may block while the client catches up, and raises (TypeError, ValueError) for
         an event the wire cannot carry. Raise ``MegatronConfigError`` for values this model cannot serve (the
-        client gets ``bad_request`` with the message); any other exception becomes ``internal``."""
+        client gets ``bad_request`` with the message), or a :class:`ProtocolError` to name the field; any other
+        exception becomes ``internal``."""
         ...
 
     def set_perturbations(self, perturbations: list[dict]) -> None:
-        """Replace the active set with ``perturbations`` ($defs/Perturbation items; empty removes all)."""
+        """Replace the active set with ``perturbations`` ($defs/Perturbation items; empty removes all). Refuse,
+        rather than accept and ignore, what the model cannot apply (``scope.perturb.requested`` does)."""
         ...
 
     def control(self, request: dict) -> None:
@@ -230,14 +232,29 @@ def _first_error(validator: Any, instance: Any, prefix: tuple = ()) -> Optional[
     return _describe(error, path)
 
 
-def _non_finite(message: Any) -> Optional[tuple]:
-    """The path of the first NaN or infinity (Python's json parser accepts them; JSON Schema ranges do not
-    catch NaN). Iterative: a deeply nested message must not exhaust the stack."""
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): JSON can carry it, no tokenizer or UTF-8 can
+        return False
+    return True
+
+
+def _unusable(message: Any) -> Optional[ProtocolError]:
+    """The first NaN or infinity (Python's json parser accepts them; JSON Schema ranges do not catch NaN) or
+    string holding a lone surrogate, as an error at its path. Iterative: a deeply nested message must not
+    exhaust the stack."""
     stack: list[tuple[tuple, Any]] = [((), message)]
     while stack:
         path, value = stack.pop()
         if isinstance(value, float) and not math.isfinite(value):
-            return path
+            return ProtocolError("invalid_field", _pointer(path), "must be a finite number")
+        if isinstance(value, str) and not _is_text(value):
+            return ProtocolError("invalid_field", _pointer(path), "must be Unicode text (a lone surrogate is not)")
+        if isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and not _is_text(key):
+                    return ProtocolError("invalid_field", _pointer(path), "field names must be Unicode text")
         children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         stack.extend(reversed([((*path, key), child) for key, child in children]))
     return None
@@ -275,9 +292,9 @@ def validate_request(message: Any) -> dict[str, Any]:
     """A copy of ``message`` with defaults filled in, or :class:`ProtocolError` naming the bad field."""
     if not isinstance(message, dict):
         raise ProtocolError("bad_request", "", "a request is one JSON object")
-    bad = _non_finite(message)
+    bad = _unusable(message)
     if bad is not None:
-        raise ProtocolError("invalid_field", _pointer(bad), "must be a finite number")
+        raise bad
     if message.get("v") != PROTOCOL_VERSION or isinstance(message.get("v"), bool):
         raise ProtocolError("unsupported_version", "/v", f"this server speaks protocol version {PROTOCOL_VERSION}")
     kind = message.get("type")

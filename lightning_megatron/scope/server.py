@@ -17,7 +17,9 @@ MegatronApp's server bound 0.0.0.0 without authentication and evaluated text fro
   page response; serves files only from the UI bundle folder (``scope/static``), through ``safe_join``;
 * speaks websocket only, refuses a message over ``MAX_MESSAGE_BYTES`` while it arrives (the connection is
   closed, the server goes on), validates every request against the schema and answers a bad one with an
-  error naming the field; the connection stays usable;
+  error naming the field; a packet that does not even decode (invalid JSON, nested too deeply, an integer
+  of too many digits, a bad binary placeholder) is answered with ``bad_request`` saying which; an engine's
+  refusal of a value (a layer or head the model lacks) names the field too; the connection stays usable;
 * calls the engine from two worker threads (generation; everything else), never from a connection's thread
   (on CPU runs, inside ``compat.cpu.cpu_thread()``). One generation runs at a time (another gets ``busy``);
   ``stop`` from any client cancels it (all hold the same token), and so does its client leaving;
@@ -26,8 +28,8 @@ MegatronApp's server bound 0.0.0.0 without authentication and evaluated text fro
   full the oldest probe/attention events are dropped (never token, finish or error) and the client is sent a
   ``dropped`` event with the counts before its next event. A client that stops reading slows the others down.
 
-The worker threads, the queue and the sender are ``scope.delivery``'s; this module is HTTP, Socket.IO, the
-security above and what each request does.
+The worker threads, the queue and the sender are ``scope.delivery``'s; the Engine.IO/Socket.IO internals it
+needs are ``compat.engineio``'s; this module is HTTP, Socket.IO, the security above and what each request does.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ from typing import Any, Optional
 import flask
 import flask_socketio
 import simple_websocket
-from engineio.async_drivers._websocket_wsgi import SimpleWebSocketWSGI
 from socketio.exceptions import ConnectionRefusedError
 from werkzeug.serving import WSGIRequestHandler, make_server
 
 from lightning_megatron import __version__
+from lightning_megatron.compat import engineio as compat_engineio
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope.delivery import Item, Outbox, Sender, Worker
 from lightning_megatron.scope.protocol import (
@@ -97,7 +99,7 @@ class _Generation:
     done: bool = False
 
 
-class _BoundedWebSocket(SimpleWebSocketWSGI):
+class _BoundedWebSocket(compat_engineio.SimpleWebSocketWSGI):
     """Engine.IO's websocket driver with a message size limit enforced while the message arrives (Engine.IO
     checks only after simple-websocket has buffered all of it). simple-websocket wakes its reader before it
     marks an oversized connection closed, so a reader waiting without a timeout could sleep forever: wait in
@@ -190,6 +192,16 @@ class ScopeServer:
         self._connections: set[socket.socket] = set()
         self._generation: Optional[_Generation] = None
         self._httpd: Any = None
+        # Everything start() fills in exists from here on (as not running), so no method meets a missing attribute.
+        self._stopping = threading.Event()
+        self._hosts: set[str] = set()
+        self._app: Optional[flask.Flask] = None
+        self._sio: Optional[flask_socketio.SocketIO] = None
+        self._outbox: Optional[Outbox] = None
+        self._generate_worker: Optional[Worker] = None
+        self._control_worker: Optional[Worker] = None
+        self._sender: Optional[Sender] = None
+        self._http_thread: Optional[threading.Thread] = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     @property
@@ -209,7 +221,7 @@ class ScopeServer:
                 "MegaScope listens on %s, reachable from other machines; anyone there with the token can drive the model.",
                 self.host,
             )
-        self._stopping = threading.Event()
+        self._stopping.clear()
         handler = type("_Handler", (_RequestHandler,), {"scope": self})
         self._httpd = make_server(self.host, self.port, self._wsgi, threaded=True, request_handler=handler)
         self.port = self._httpd.server_port
@@ -315,9 +327,9 @@ class ScopeServer:
         server.on("disconnect", self._on_disconnect)
         server.on("request", self._on_request)
         server.on("*", self._on_other)
+        compat_engineio.guard_messages(server, self._on_bad_packet)
         # Engine.IO's ping threads sleep through `sleep`: make it end at stop().
-        eio = server.eio
-        eio._async = {**eio._async, "websocket": _BoundedWebSocket, "sleep": self._stopping.wait}
+        compat_engineio.install_drivers(server.eio, websocket=_BoundedWebSocket, sleep=self._stopping.wait)
         return app
 
     def _page(self) -> flask.Response:
@@ -397,6 +409,13 @@ class ScopeServer:
             _log.exception("MegaScope could not handle a request")
             self._error(sid, rid, "internal", "the server failed on this request")
 
+    def _on_bad_packet(self, sid: Optional[str], error: BaseException) -> None:
+        """A packet that python-socketio could not decode (invalid JSON, too deep, a huge integer, a bad binary
+        placeholder): the client is told what was wrong, the connection goes on."""
+        _log.debug("MegaScope refused an undecodable message (%s)", type(error).__name__)
+        if sid is not None:
+            self._send(sid, ProtocolError("bad_request", "", compat_engineio.bad_packet_reason(error)).event(), None)
+
     def _dispatch(self, sid: str, rid: str, request: dict) -> None:
         kind = request["type"]
         if kind == "ping":
@@ -434,6 +453,8 @@ class ScopeServer:
 
     @staticmethod
     def _engine_error(exc: Exception) -> ProtocolError:
+        if isinstance(exc, ProtocolError):  # the engine named the field
+            return exc
         if isinstance(exc, MegatronConfigError):
             return ProtocolError("bad_request", None, str(exc)[:1000])
         _log.error("MegaScope engine failed", exc_info=exc)
@@ -500,9 +521,5 @@ class ScopeServer:
 
     def _backlog(self, sid: str) -> Optional[int]:
         """Packets queued in ``sid``'s Engine.IO transport and not yet written; None once it is gone."""
-        server = self._sio.server
-        eio_sid = server.manager.eio_sid_from_sid(sid, "/")
-        transport = server.eio.sockets.get(eio_sid) if eio_sid is not None else None
-        if transport is None or transport.closed:
-            return None
-        return transport.queue.qsize()
+        assert self._sio is not None
+        return compat_engineio.backlog(self._sio.server, sid)

@@ -41,6 +41,7 @@ from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sy
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
+from lightning_megatron.strategy import rendezvous
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO, load_sharded, model_sharded_state_dict
 from lightning_megatron.strategy.chunks import ddp_options, install_config_hooks, unwrap, validated_chunks, wrap_ddp
 from lightning_megatron.strategy.collectives import (
@@ -382,12 +383,17 @@ class MegatronAppStrategy(ParallelStrategy):
         if dist.is_initialized():
             return
         assert self.cluster_environment is not None
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if not on_cpu:
-            kwargs["device_id"] = self.root_device
-        dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
+        kwargs: dict[str, Any] = {} if on_cpu else {"device_id": self.root_device}
+        rendezvous.init_process_group(  # loopback only on one node
+            backend,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            num_nodes=self.num_nodes,
+            main_address=self.cluster_environment.main_address,
+            main_port=self.cluster_environment.main_port,
+            timeout=self._timeout,
+            **kwargs,
+        )
 
     # -- model setup --------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:

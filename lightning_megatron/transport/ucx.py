@@ -14,8 +14,10 @@ extra. A system UCX (``libucp.so.0`` on the library path) is used where the whee
 
 UCX chooses its transports from ``UCX_TLS`` and friends, which are left to the user (unset: UCX's own choice --
 POSIX shared memory within a host, TCP across hosts, InfiniBand/RoCE where its libraries and devices exist;
-``transports_to(peer)`` says what it chose). This transport changes two UCX defaults, each overridden by the
-``UCX_*`` variable of the same name or a ``ucx_config`` entry: ``POSIX_ERROR_HANDLING=y`` (see
+``transports_to(peer)`` says what it chose). This transport changes three UCX defaults, each overridden by the
+``UCX_*`` variable of the same name or a ``ucx_config`` entry: ``NET_DEVICES`` is the loopback interface when
+every rank is on this host (``MASTER_ADDR`` is loopback, as the strategy sets it on one node), so UCX's TCP
+transport listens on nothing else; ``POSIX_ERROR_HANDLING=y`` (see
 :data:`UCX_DEFAULTS`: without it UCX would use TCP loopback between ranks of one host) and ``KEEPALIVE_INTERVAL``
 (20 s in UCX, ``keepalive_interval`` = 1 s here, so a dead peer on another host is noticed within seconds; a
 peer on this host is also watched by its pid, noticed within ~0.1 s).
@@ -72,10 +74,12 @@ from typing import Any, Optional
 import torch
 
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.loopback import is_loopback, loopback_interface
 from lightning_megatron.transport import find_libucp
 from lightning_megatron.transport import header as hdr
 from lightning_megatron.transport.base import SendHandle, TransportError, TransportTimeout
 from lightning_megatron.transport.native import NativeTransport, _native, node_identity
+from lightning_megatron.transport.tcp import default_ifaddr
 from lightning_megatron.transport.ucx_post import Poster, QueuedSendHandle
 
 __all__ = ["EXTRA", "UcxTransport", "load_ucx", "ucx_cuda_modules"]
@@ -240,6 +244,8 @@ class UcxTransport(NativeTransport):
             )
         settings = {name: (value, False) for name, value in UCX_DEFAULTS.items()}
         settings["KEEPALIVE_INTERVAL"] = (f"{float(keepalive_interval)}s", False)
+        if is_loopback(default_ifaddr()):  # every rank on this host: no listening socket beyond loopback
+            settings["NET_DEVICES"] = (loopback_interface(), False)
         for key, value in (ucx_config or {}).items():
             if not isinstance(key, str) or not isinstance(value, (str, int, float)):
                 raise MegatronConfigError(
