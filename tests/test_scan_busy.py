@@ -1,7 +1,7 @@
-"""GPU busy time per span (``scan.busy``) and the rule that uses it (``attribution.attribute_busy``), on CPU.
+"""GPU busy time per span (``scan.tracing.busy``) and the rule that uses it (``attribution.attribute_busy``), on CPU.
 
 The GPU recorder hands a window's profiler records to ``busy_timeline`` and asks the timeline for each span; here
-the same functions get records built by hand (alignment, union, exclusions) and, through ``scan.synthetic``'s
+the same functions get records built by hand (alignment, union, exclusions) and, through ``scan.evaluation.synthetic``'s
 ``gpu_busy``, simulated kernels of whole jobs: a span stretched by idle gaps between kernels must not be named
 ``compute``, one whose kernels grew must be.
 """
@@ -17,8 +17,14 @@ from typing import Any
 
 import pytest
 
-from lightning_megatron.scan.attribution import attribute_busy, attribute_host
-from lightning_megatron.scan.busy import (
+from lightning_megatron.scan.analysis.attribution import attribute_busy, attribute_host
+from lightning_megatron.scan.analysis.compute_rules import make_suspect
+from lightning_megatron.scan.analysis.detect import DetectionReport, detect
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.gpu_measure import BusyTimes, busy_times
+from lightning_megatron.scan.analysis.measure import RankTrace, read_traces
+from lightning_megatron.scan.evaluation.synthetic import generate_traces
+from lightning_megatron.scan.tracing.busy import (
     ANCHOR_NAME,
     MAX_ALIGN_ERROR_US,
     Activity,
@@ -27,12 +33,6 @@ from lightning_megatron.scan.busy import (
     busy_timeline,
     is_busy,
 )
-from lightning_megatron.scan.compute_rules import make_suspect
-from lightning_megatron.scan.detect import DetectionReport, detect
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
-from lightning_megatron.scan.gpu_measure import BusyTimes, busy_times
-from lightning_megatron.scan.measure import RankTrace, read_traces
-from lightning_megatron.scan.synthetic import generate_traces
 
 
 def window(kernels: list[tuple[str, float, float]], length_us: float, offset_ns: int, drift: float) -> list[Activity]:
@@ -139,7 +139,7 @@ def test_cpu_recorder_writes_no_busy_time() -> None:
     """On CPUs there is no CUDA activity: the recorder holds no session, and spans carry no ``busy_us``."""
     import torch
 
-    from lightning_megatron.scan.recorder import SpanRecorder
+    from lightning_megatron.scan.tracing.recorder import SpanRecorder
 
     assert KernelActivity.available() == torch.cuda.is_available()
     recorder = SpanRecorder(0, use_cuda=False, busy=KernelActivity())
@@ -218,7 +218,7 @@ def test_gpu_recorder_writes_busy_time_through_anchors(monkeypatch: pytest.Monke
     """The recorder's GPU path, on a simulated GPU: a span of 100 µs kernels, 50 µs idle and an NCCL kernel gets
     the kernels' time; a window whose first anchor is lost gets none (and a warning), three such windows in a row
     turn busy time off; a window beside another profiler session goes without it."""
-    from lightning_megatron.scan import recorder as recorder_module
+    from lightning_megatron.scan.tracing import recorder as recorder_module
 
     gpu = FakeGpu()
     monkeypatch.setattr(recorder_module.torch.cuda, "Event", gpu.event())

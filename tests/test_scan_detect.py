@@ -1,6 +1,6 @@
-"""Slow-rank detection (``lightning_megatron.scan.detect``) on synthetic MegaScan traces with known ground truth.
+"""Slow-rank detection (``lightning_megatron.scan.analysis.detect``) on synthetic MegaScan traces with known ground truth.
 
-``scan.synthetic`` simulates a dp × pp × tp job (1F1B, TP all-reduces inside forward/backward, p2p between
+``scan.evaluation.synthetic`` simulates a dp × pp × tp job (1F1B, TP all-reduces inside forward/backward, p2p between
 stages, DP grad sync, data waits) and says which rank, link or loader it slowed; detection must name exactly
 those, with the right kind and about the right slowdown, and nothing in a clean run, whatever the clocks.
 """
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from lightning_megatron.scan import detect as detect_module
-from lightning_megatron.scan.detect import (
+from lightning_megatron.scan.analysis import detect as detect_module
+from lightning_megatron.scan.analysis.detect import (
     DetectionReport,
     Suspect,
     detect,
@@ -33,8 +33,8 @@ from lightning_megatron.scan.detect import (
     mad_sigma,
     register_cli,
 )
-from lightning_megatron.scan.format import list_rank_files
-from lightning_megatron.scan.synthetic import generate_traces, rank_of
+from lightning_megatron.scan.analysis.format import list_rank_files
+from lightning_megatron.scan.evaluation.synthetic import generate_traces, rank_of
 
 
 def run(tmp_path: Path, name: str = "trace", **kwargs: Any) -> tuple[DetectionReport, dict[str, Any]]:
@@ -388,7 +388,7 @@ def test_gzip_trace_is_read(tmp_path: Path) -> None:
 
 
 def test_signed_rank_test() -> None:
-    from lightning_megatron.scan.compare import signed_rank_p, trimmed_mean
+    from lightning_megatron.scan.analysis.compare import signed_rank_p, trimmed_mean
 
     assert signed_rank_p([0.1 * (i + 1) for i in range(10)]) == pytest.approx(1 / 1024)  # all 10 above: exact
     assert signed_rank_p([-0.1 * (i + 1) for i in range(10)]) == pytest.approx(1.0)
@@ -405,7 +405,7 @@ def test_signed_rank_test() -> None:
 def test_tests_against_a_rank_own_history() -> None:
     """The two tests of ``later_steps_change``: the rank sum finds a shift of every later step; the exceedance
     test finds some later steps far above every earlier one (bursts), exactly calibrated under the null."""
-    from lightning_megatron.scan.compare import exceedance_p, later_steps_change
+    from lightning_megatron.scan.analysis.compare import exceedance_p, later_steps_change
 
     assert exceedance_p([5.0, 6.0, 0.5], [1.0, 2.0]) == pytest.approx(math.comb(3, 2) / math.comb(5, 2))
     assert exceedance_p([0.5], [1.0]) == 1.0 and exceedance_p([], [1.0]) == 1.0
@@ -420,7 +420,7 @@ def test_tests_against_a_rank_own_history() -> None:
 
 
 def _smallest_p(values: list[float], cut: int) -> float:
-    from lightning_megatron.scan.compare import exceedance_p, rank_sum_p
+    from lightning_megatron.scan.analysis.compare import exceedance_p, rank_sum_p
 
     return min(rank_sum_p(values[cut:], values[:cut]), exceedance_p(values[cut:], values[:cut]))
 
@@ -429,7 +429,7 @@ def test_the_family_wise_p_value_counts_the_permutations_that_are_as_extreme() -
     """The fast permutation test (ranks, thresholds computed once per split) against the plain one that runs both
     tests at every split of every permuted order: the same permutations (one seed), the same count, ties
     included; and under the null hypothesis it rejects at most at its level."""
-    from lightning_megatron.scan import compare
+    from lightning_megatron.scan.analysis import compare
 
     rng = random.Random(5)
     for n, onset in ((20, 12), (34, 9), (34, 27)):
@@ -456,7 +456,7 @@ def test_the_family_wise_p_value_counts_the_permutations_that_are_as_extreme() -
 def test_a_change_early_or_late_in_the_run_is_found() -> None:
     """Fixed splits saw a change near them only: one that begins a quarter of the way or at three quarters is
     found now, wherever it begins between the outermost splits, with its change point."""
-    from lightning_megatron.scan.compare import later_steps_change
+    from lightning_megatron.scan.analysis.compare import later_steps_change
 
     for onset in (8, 26):
         rng = random.Random(onset)
@@ -493,7 +493,7 @@ def test_large_bursts_that_spare_some_steps_are_found_in_short_fits(tmp_path: Pa
     on one of 2x H200 cost): the per-step rule's signed-rank test at 0.01 needs 7 of the 8 analysed steps slower
     and missed 3 of 10 such GPU runs; an excess of twice ``min_slowdown`` is accepted at 0.05. Clean fits stay
     quiet."""
-    import lightning_megatron.scan.compute_rules as rules
+    import lightning_megatron.scan.analysis.compute_rules as rules
 
     def found(prefix: str) -> int:
         hits = 0

@@ -11,7 +11,7 @@
   baseline; with three fixed splits the rule found none of the bursty fits and two of five slow loaders.
 * ``tests/data/megascan_h100_single_host.tar.gz``: fifteen one-process fits on one H100 (``medium`` and
   ``llama``, 34 steps, CUDA graphs, 2026-11-24, ``--layouts single``), the faults beginning at step 18: the
-  job's own host blocking for a quarter of a step (``scan.faults.HostStall``) between steps, inside the traced
+  job's own host blocking for a quarter of a step (``scan.evaluation.faults.HostStall``) between steps, inside the traced
   step after the GPU finished, and before the optimizer step behind queued GPU work (which hid it); the same
   stall before the optimizer step at 125% of a step, longer than the queued work (no synchronisation before
   it); and another process copying buffers on the GPU. Before ``measure.host_waits_in_steps`` the stalls inside
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_megatron.scan.detect import detect
+from lightning_megatron.scan.analysis.detect import detect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from megascan_score import marked_in_place_of_replays  # noqa: E402

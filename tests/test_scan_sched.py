@@ -1,4 +1,4 @@
-"""Waits for a CPU (``scan.sched``, ``scan.cpu_rules``): the kernel's run-queue delay of the training thread, and the
+"""Waits for a CPU (``scan.tracing.sched``, ``scan.analysis.cpu_rules``): the kernel's run-queue delay of the training thread, and the
 rule that names a rank ``host`` from it. The rule on recorded fits is in ``tests/test_scan_recorded.py``."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from lightning_megatron.scan import sched
-from lightning_megatron.scan.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import DetectionReport, RankSummary, Suspect
-from lightning_megatron.scan.waits import DataWaits
+from lightning_megatron.scan.analysis.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
+from lightning_megatron.scan.analysis.measure import RankTrace
+from lightning_megatron.scan.analysis.report import DetectionReport, RankSummary, Suspect
+from lightning_megatron.scan.analysis.waits import DataWaits
+from lightning_megatron.scan.tracing import sched
 
 linux_schedstat = pytest.mark.skipif(sched.RunDelay().read() is None, reason="no /proc/thread-self/schedstat")
 

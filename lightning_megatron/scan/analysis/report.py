@@ -1,4 +1,4 @@
-"""What ``scan.detect`` found, and how it is shown: suspects, per-rank medians, the text table, JSON, metrics.
+"""What ``scan.analysis.detect`` found, and how it is shown: suspects, per-rank medians, the text table, JSON, metrics.
 
 The contract: plain data and its presentations, nothing else. ``Suspect`` (one slow rank, link or data loader),
 ``RankSummary`` (a rank's medians) and ``DetectionReport`` (both, with warnings and parameters) round-trip
@@ -173,7 +173,7 @@ def _evidence_text(suspect: Suspect) -> str:
             f"{e['direction']} {suspect.rank}->{suspect.peer}: {e['median_us_per_mb']:.1f} us/MB vs "
             f"{e['baseline_us_per_mb']:.1f} us/MB on {e['link_class']} links"
         )
-    if "hit_steps_fraction" in e:  # the training thread's waits for a CPU (scan.cpu_rules)
+    if "hit_steps_fraction" in e:  # the training thread's waits for a CPU (scan.analysis.cpu_rules)
         return (
             f"training thread waited for a CPU {e['cpu_wait_ms']:.2f} ms per step vs {e['baseline_ms']:.2f} ms on "
             f"the others (runnable, not running; {100 * e['hit_steps_fraction']:.0f}% of {e['steps']} steps hit, "
@@ -201,7 +201,7 @@ def _evidence_text(suspect: Suspect) -> str:
         text = e.get("rule", "")
     if "where" in e:  # the host waits inside steps (detect._host_in_step_suspects)
         text = f"GPU waiting for its host inside steps: {text}"
-    if "cpu_wait_ms" in e:  # merged in by scan.cpu_rules.merge_cpu_waits
+    if "cpu_wait_ms" in e:  # merged in by scan.analysis.cpu_rules.merge_cpu_waits
         text += f"; its training thread waited for a CPU {e['cpu_wait_ms']:.2f} ms per step"
     if e.get("last_arrival_fraction") is not None:
         text += (

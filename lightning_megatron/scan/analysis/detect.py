@@ -2,9 +2,9 @@
 
 The contract: a trace directory in, a ``DetectionReport`` out; this module holds the rules that decide what is
 slow (who is compared with whom, the thresholds, the lateness rule) and the CLI; the compute rules are in
-``scan.compute_rules`` (peers) and ``scan.stage_rules`` (lone pipeline stages). ``scan.measure`` and
-``scan.waits`` turn the rank files into measurements, ``scan.compare`` compares a member with its peers
-statistically, and ``scan.report`` holds (and prints, serialises, logs) the result.
+``scan.analysis.compute_rules`` (peers) and ``scan.analysis.stage_rules`` (lone pipeline stages). ``scan.analysis.measure`` and
+``scan.analysis.waits`` turn the rank files into measurements, ``scan.analysis.compare`` compares a member with its peers
+statistically, and ``scan.analysis.report`` holds (and prints, serialises, logs) the result.
 
 In synchronous training one slow GPU, one slow link or one slow data loader delays every rank: the others wait
 for it inside collectives and pipeline sends/receives, so their *step* times are all equally long and say
@@ -28,7 +28,7 @@ the time its peers spend on the *same* work, after taking the waiting out:
   of its peers (p < 0.01 over its peers, Bonferroni) by ``min_slowdown`` and ``min_impact``;
   ``evidence["peers_wait_ms"]`` says how much longer its peers waited in collectives and gradient sync per
   step (who waited for whom, without clocks);
-* **compute across stages** (``scan.stage_rules``): where a stage has a single rank (pipeline parallelism alone)
+* **compute across stages** (``scan.analysis.stage_rules``): where a stage has a single rank (pipeline parallelism alone)
   and the trace has layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and
   backward) are the same work on every stage: those ranks are compared on them, per part and per step (a
   typical layer), on the spans their GPU paced;
@@ -39,11 +39,11 @@ the time its peers spend on the *same* work, after taking the waiting out:
   loader's own fetches (``data-fetch``; traces before it recorded the whole host gap between steps as
   ``data-wait``, which also held Lightning's per-step work and named host slowness "data"); and, as compute,
   each rank against its own earlier steps (a loader that turned slow during the run; one process has no peer);
-* **busy, not idle**: where GPU traces carry busy time (``busy_us``, ``scan.busy``), a compute suspect stays
+* **busy, not idle**: where GPU traces carry busy time (``busy_us``, ``scan.tracing.busy``), a compute suspect stays
   ``compute`` only if its kernel time grew too (``attribution.attribute_busy``); an excess of idle GPU time is
   ``host`` where its host queued the work slower, and otherwise dropped with a note;
 * **host inside steps**: on GPUs without busy time, a compute suspect whose GPU reached most spans as soon as the
-  host queued them (``queued_us``, ``scan.recorder``) is named ``host``: the host paced it, the GPU waited;
+  host queued them (``queued_us``, ``scan.tracing.recorder``) is named ``host``: the host paced it, the GPU waited;
 * **host**: the same rule on the host's gaps between steps (``host-gap``: Lightning's per-step work, logging,
   callbacks), less the fetches and the waits at Lightning's per-batch synchronisation of the ranks
   (``step-sync``): a rank whose host is slow (CPU contention) ends them late, or keeps the others waiting at
@@ -53,10 +53,10 @@ the time its peers spend on the *same* work, after taking the waiting out:
   that blocks before the step ends), by the same two rules, where it costs ``min_slowdown`` of a step; a stall
   before a collective inside the step (the optimizer's all-reduce) ends every peer's step together, so there the
   peers' longer waits inside the step say who was late (``waits.waited_for``, clock-free);
-* **host across stages** (``scan.stage_rules``): ranks alone in their stage compare both kinds of host wait with
+* **host across stages** (``scan.analysis.stage_rules``): ranks alone in their stage compare both kinds of host wait with
   the other lone stages, where the excess costs ``min_slowdown`` of a step;
-* **waits for a CPU** (``scan.cpu_rules``): a rank whose training thread was runnable but had no CPU (the
-  kernel's run-queue delay, ``scan.sched``: another process's time slices, a container's CPU limit) for
+* **waits for a CPU** (``scan.analysis.cpu_rules``): a rank whose training thread was runnable but had no CPU (the
+  kernel's run-queue delay, ``scan.tracing.sched``: another process's time slices, a container's CPU limit) for
   ``min_slowdown`` of a step more than the other ranks', or than in its own earlier steps, is ``host``, wherever
   the lost time fell.
 
@@ -89,8 +89,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
 
-from lightning_megatron.scan.attribution import attribute_busy, attribute_host
-from lightning_megatron.scan.compare import (
+from lightning_megatron.scan.analysis.attribution import attribute_busy, attribute_host
+from lightning_megatron.scan.analysis.compare import (
     compare_with_peers,
     later_steps_change,
     levels_of,
@@ -99,7 +99,7 @@ from lightning_megatron.scan.compare import (
     mad_sigma,
     pooled_sigma,
 )
-from lightning_megatron.scan.compute_rules import (
+from lightning_megatron.scan.analysis.compute_rules import (
     MIN_STEPS,
     compute_suspects,
     flagged,
@@ -111,9 +111,9 @@ from lightning_megatron.scan.compute_rules import (
     step_suspects,
     wait_evidence,
 )
-from lightning_megatron.scan.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
-from lightning_megatron.scan.gpu_measure import busy_times, host_pacing
-from lightning_megatron.scan.measure import (
+from lightning_megatron.scan.analysis.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
+from lightning_megatron.scan.analysis.gpu_measure import busy_times, host_pacing
+from lightning_megatron.scan.analysis.measure import (
     Link,
     RankTrace,
     Transfer,
@@ -127,13 +127,13 @@ from lightning_megatron.scan.measure import (
     step_totals,
     summarize,
 )
-from lightning_megatron.scan.report import KINDS, DetectionReport, RankSummary, Suspect, log_to
-from lightning_megatron.scan.stage_rules import (
+from lightning_megatron.scan.analysis.report import KINDS, DetectionReport, RankSummary, Suspect, log_to
+from lightning_megatron.scan.analysis.stage_rules import (
     cross_stage_step_suspects,
     cross_stage_suspects,
     cross_stage_wait_suspects,
 )
-from lightning_megatron.scan.waits import DataWaits, cpu_waits, data_waits, host_waits_in_steps, waited_for
+from lightning_megatron.scan.analysis.waits import DataWaits, cpu_waits, data_waits, host_waits_in_steps, waited_for
 
 # the report's names and three statistics helpers were defined here before measuring, comparing and reporting
 # became modules of their own; they stay importable from here

@@ -1,7 +1,7 @@
-"""The rule of ``scan.detect`` for a rank whose training thread waited for a CPU: ``host``, whatever its spans say.
+"""The rule of ``scan.analysis.detect`` for a rank whose training thread waited for a CPU: ``host``, whatever its spans say.
 
-The contract: ``scan.waits.cpu_waits`` in (the run-queue delay of each rank's training thread per step, from the
-kernel, ``scan.sched``), ``host`` suspects out, with the statistics of ``scan.compare``.
+The contract: ``scan.analysis.waits.cpu_waits`` in (the run-queue delay of each rank's training thread per step, from the
+kernel, ``scan.tracing.sched``), ``host`` suspects out, with the statistics of ``scan.analysis.compare``.
 
 A thread that is runnable but gets no CPU loses that time wherever it is: in a compute span (which then looks like
 a slower GPU or CPU), in a host gap, or inside a collective it had entered (which then looks like waiting for the
@@ -36,17 +36,17 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lightning_megatron.scan.compare import later_steps_change, sign_flip_p
-from lightning_megatron.scan.compute_rules import (
+from lightning_megatron.scan.analysis.compare import later_steps_change, sign_flip_p
+from lightning_megatron.scan.analysis.compute_rules import (
     HISTORY_RULE,
     MIN_STEPS,
     history_alpha,
     history_evidence,
     make_suspect,
 )
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import RankSummary, Suspect
-from lightning_megatron.scan.waits import DataWaits
+from lightning_megatron.scan.analysis.measure import RankTrace
+from lightning_megatron.scan.analysis.report import RankSummary, Suspect
+from lightning_megatron.scan.analysis.waits import DataWaits
 
 __all__ = ["cpu_wait_history_suspects", "cpu_wait_suspects", "merge_cpu_waits"]
 

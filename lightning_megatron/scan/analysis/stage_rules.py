@@ -1,10 +1,10 @@
-"""The rules of ``scan.detect`` for ranks alone in their pipeline stage (pipeline parallelism without data- or
+"""The rules of ``scan.analysis.detect`` for ranks alone in their pipeline stage (pipeline parallelism without data- or
 tensor-parallel peers): such a rank has nobody doing its own work, but every stage runs transformer layers, and
 one layer's attention or MLP is the same work on every stage.
 
-The contract: layer measurements in (``scan.measure``: net times of ``granularity="layer"`` spans), compute
-suspects out, with the statistics of ``scan.compare``, by two rules like the peer rules of ``compute_rules``; and
-host waits in (``scan.waits``), host suspects out, by a third:
+The contract: layer measurements in (``scan.analysis.measure``: net times of ``granularity="layer"`` spans), compute
+suspects out, with the statistics of ``scan.analysis.compare``, by two rules like the peer rules of ``compute_rules``; and
+host waits in (``scan.analysis.waits``), host suspects out, by a third:
 
 * **per part** (``cross_stage_suspects``): per layer part (``forward attention``, ``backward mlp``, ...), each
   rank's samples against the other stages', flagged by excess, z and superiority. It sees a stage whose every
@@ -17,7 +17,7 @@ host waits in (``scan.waits``), host suspects out, by a third:
   hard: on CPUs another process on a stage's core left the median layer part as it was (+7%) and made the mean
   +42% to +99% (the time the stage lost); the test over steps, not the mean, keeps a one-off pause out;
 * **host waits** (``cross_stage_wait_suspects``): the host's gaps between steps and the GPU's waits for its host
-  inside steps (``scan.waits``) are Lightning's and the user's callbacks' work, the same code on every stage:
+  inside steps (``scan.analysis.waits``) are Lightning's and the user's callbacks' work, the same code on every stage:
   a stage whose host blocks (a synchronous upload, a long garbage collection) is compared with the other lone
   stages, and named ``host`` where it costs ``min_slowdown`` of the job's median step.
 
@@ -40,7 +40,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from lightning_megatron.scan.compare import (
+from lightning_megatron.scan.analysis.compare import (
     compare_with_peers,
     levels_of,
     lower_half_median,
@@ -48,7 +48,7 @@ from lightning_megatron.scan.compare import (
     signed_rank_p,
     trimmed_mean,
 )
-from lightning_megatron.scan.compute_rules import (
+from lightning_megatron.scan.analysis.compute_rules import (
     MIN_STEPS,
     comparison_evidence,
     flagged,
@@ -56,9 +56,9 @@ from lightning_megatron.scan.compute_rules import (
     peer_groups,
     wait_evidence,
 )
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import RankSummary, Suspect
-from lightning_megatron.scan.waits import DataWaits, waited_for
+from lightning_megatron.scan.analysis.measure import RankTrace
+from lightning_megatron.scan.analysis.report import RankSummary, Suspect
+from lightning_megatron.scan.analysis.waits import DataWaits, waited_for
 
 __all__ = ["cross_stage_suspects", "cross_stage_step_suspects", "cross_stage_wait_suspects"]
 
@@ -231,7 +231,7 @@ def cross_stage_wait_suspects(
     min_slowdown: float,
     min_z: float,
 ) -> list[Suspect]:
-    """``host`` suspects among the ranks alone in their stage: their host waits per step (``scan.waits``: gaps
+    """``host`` suspects among the ranks alone in their stage: their host waits per step (``scan.analysis.waits``: gaps
     between steps, or the GPU's waits for its host inside them) against the other lone stages', flagged as a
     compute comparison is (with the stage margin) where the excess costs at least ``bar_us`` per step.
 

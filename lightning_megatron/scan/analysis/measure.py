@@ -1,9 +1,9 @@
-"""What the MegaScan rank files say each rank did: per-rank, per-step measurements for ``scan.detect``.
+"""What the MegaScan rank files say each rank did: per-rank, per-step measurements for ``scan.analysis.detect``.
 
 The contract: rank files in, numbers out. Reading a trace directory gives one ``RankTrace`` per rank (its
 coordinates, host, clock offset to rank 0 and spans of the finished steps analysed); the functions below turn
 those into what detection compares, and every one of them only measures: which numbers are slow is decided in
-``scan.detect``. Problems with the input (missing or cut rank files, unfinished steps, unmatched sends) are
+``scan.analysis.detect``. Problems with the input (missing or cut rank files, unfinished steps, unmatched sends) are
 appended to a ``notes`` list, in the order they are found, for the report's warnings.
 
 * **clocks**: a rank's offset to rank 0 (its *aligned* clock) is the median ``offset_us`` of its
@@ -30,10 +30,10 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   part of the spans still moves, and who waited for whom without any clock alignment;
 * **host-paced spans** (``host_paced``): on GPUs, a span its GPU reached as soon as it was queued and its host
   took most of to queue lasted as long as the host took: transfers and layer parts leave such spans out (what
-  the GPU recorder's queue and busy fields say per rank is in ``scan.gpu_measure``);
+  the GPU recorder's queue and busy fields say per rank is in ``scan.analysis.gpu_measure``);
 * ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
 
-How long each rank waited per step, for its loader, its host or the other ranks, is measured in ``scan.waits``.
+How long each rank waited per step, for its loader, its host or the other ranks, is measured in ``scan.analysis.waits``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_megatron.scan.format import RANK_FILE_PATTERN, list_rank_files, read_rank_file
-from lightning_megatron.scan.report import RankSummary
+from lightning_megatron.scan.analysis.format import RANK_FILE_PATTERN, list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.report import RankSummary
 
 __all__ = [
     "Link",

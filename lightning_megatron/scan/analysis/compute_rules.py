@@ -1,13 +1,13 @@
-"""The compute rules of ``scan.detect``: which ranks are slow at their own work (``kind="compute"``).
+"""The compute rules of ``scan.analysis.detect``: which ranks are slow at their own work (``kind="compute"``).
 
-The contract: measurements in (``scan.measure``: net compute per op, per layer part, per step), compute
-suspects out; statistics come from ``scan.compare``. Four rules, each for what the others cannot see:
+The contract: measurements in (``scan.analysis.measure``: net compute per op, per layer part, per step), compute
+suspects out; statistics come from ``scan.analysis.compare``. Four rules, each for what the others cannot see:
 
 * **per op** (``compute_suspects``): per-op medians of net compute within a pipeline stage's peers, flagged
   by excess, z and superiority; the evidence adds collective arrival order and the slowest layer parts;
 * **per step** (``step_suspects``): per-step sums, each rank against each peer with Wilcoxon's signed-rank
   test over steps; finds partial and bursty slowdowns that per-op medians do not move;
-* **across stages**: ranks alone in their stage, on transformer layer parts (``scan.stage_rules``);
+* **across stages**: ranks alone in their stage, on transformer layer parts (``scan.analysis.stage_rules``);
 * **against itself** (``own_history_suspects``): a rank's later steps against its own earlier ones (every split
   of the analysed steps), for what the peers' rules cannot show: one process, a lone stage without layer spans,
   a slowdown in too few steps to win most of them. Beside other ranks it is relative to theirs (a change all of
@@ -15,9 +15,9 @@ suspects out; statistics come from ``scan.compare``. Four rules, each for what t
   slow from the start.
 
 Whether a suspect of these rules is a slow GPU, a late host or nothing is decided afterwards, on GPU busy time
-and queue fields (``scan.attribution``).
+and queue fields (``scan.analysis.attribution``).
 
-The small helpers every rule of ``scan.detect`` shares (``peer_groups``, ``flagged``, ``make_suspect``) live
+The small helpers every rule of ``scan.analysis.detect`` shares (``peer_groups``, ``flagged``, ``make_suspect``) live
 here too, so the other rules import from this module and not the other way round.
 """
 
@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Optional
 
-from lightning_megatron.scan.compare import (
+from lightning_megatron.scan.analysis.compare import (
     Comparison,
     HistoryChange,
     Level,
@@ -41,8 +41,8 @@ from lightning_megatron.scan.compare import (
     signed_rank_p,
     trimmed_mean,
 )
-from lightning_megatron.scan.measure import RankTrace, StepTotal
-from lightning_megatron.scan.report import RankSummary, Suspect
+from lightning_megatron.scan.analysis.measure import RankTrace, StepTotal
+from lightning_megatron.scan.analysis.report import RankSummary, Suspect
 
 __all__ = [
     "HISTORY_RULE",

@@ -1,13 +1,13 @@
-"""Is a compute suspect a slow GPU, a late host, or nothing? The attribution step of ``scan.detect``.
+"""Is a compute suspect a slow GPU, a late host, or nothing? The attribution step of ``scan.analysis.detect``.
 
-The contract: compute suspects in (from the rules of ``scan.compute_rules`` and ``scan.stage_rules``), the same
+The contract: compute suspects in (from the rules of ``scan.analysis.compute_rules`` and ``scan.analysis.stage_rules``), the same
 suspects out, each kept as ``compute``, renamed ``host``, or dropped with a note; the suspects of other kinds pass
 through unchanged.
 
 A compute span is GPU wall time between two events, so a slower GPU, kernels time-sliced with another process,
 and a host that queued the work late all make it longer. Two measurements tell them apart:
 
-* **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.busy``, ``scan.gpu_measure``): the
+* **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.tracing.busy``, ``scan.analysis.gpu_measure``): the
   suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer, over
   all or against its peers in any one sampled step, are the GPU's own work (``compute``); an excess made of
   idle time between kernels is the host's, if its host also took longer to queue the same work, by enough to
@@ -29,11 +29,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_megatron.scan.compare import lower_half_median, trimmed_mean
-from lightning_megatron.scan.compute_rules import HISTORY_RULE, RELATIVE_HISTORY_RULE, peer_groups
-from lightning_megatron.scan.gpu_measure import BusyTimes
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import Suspect
+from lightning_megatron.scan.analysis.compare import lower_half_median, trimmed_mean
+from lightning_megatron.scan.analysis.compute_rules import HISTORY_RULE, RELATIVE_HISTORY_RULE, peer_groups
+from lightning_megatron.scan.analysis.gpu_measure import BusyTimes
+from lightning_megatron.scan.analysis.measure import RankTrace
+from lightning_megatron.scan.analysis.report import Suspect
 
 __all__ = ["attribute_busy", "attribute_host"]
 
@@ -152,7 +152,7 @@ def attribute_busy(
     min_slowdown: float,
     notes: list[str],
 ) -> list[Suspect]:
-    """Compute suspects judged on GPU busy time where the trace has it (``scan.busy``); returns the suspects kept.
+    """Compute suspects judged on GPU busy time where the trace has it (``scan.tracing.busy``); returns the suspects kept.
 
     A span's excess is either kernel time (a slower GPU, or kernels time-sliced with another process: the GPU's
     own work took longer) or time in which the GPU idled between kernels (a host that queued the work late,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
 __all__ = ["aggregate", "register_cli"]
 
@@ -118,7 +118,7 @@ def _forget(scan: _Scan, rank: int) -> None:
     for table in (scan.sends, scan.recvs):
         for key in [k for k, endpoint in table.items() if endpoint[0] == rank]:
             del table[key]
-    for members in scan.collectives.values():
+    for members in scan.tracing.collectives.values():
         members[:] = [m for m in members if m[0] != rank]
     scan.clocks.pop(rank, None)
     scan.info.pop(rank, None)
@@ -147,7 +147,7 @@ def _scan_event(scan: _Scan, rank: int, event: dict[str, Any]) -> None:
             scan.recvs[(step, recv["peer"], rank, recv.get("direction"), recv.get("seq"))] = endpoint
     elif cat == "collective" and "group" in args and "seq" in args:
         key = (tuple(args["group"]), int(args["seq"]))
-        scan.collectives[key].append((rank, float(event["ts"]), float(event.get("dur", 0.0)), event.get("tid")))
+        scan.tracing.collectives[key].append((rank, float(event["ts"]), float(event.get("dur", 0.0)), event.get("tid")))
         if not _ends_together(event):
             scan.unaligned.add(key)
     elif cat == "step" and "step" in args:
@@ -210,7 +210,7 @@ def _ends_together(event: dict[str, Any]) -> bool:
 def _instances(scan: _Scan) -> dict[tuple[int, ...], list[list[tuple[int, float]]]]:
     """Group → [(rank, local end) of each member] of every synchronous collective instance with ≥ 2 members seen."""
     out: dict[tuple[int, ...], list[list[tuple[int, float]]]] = defaultdict(list)
-    for (group, _seq), members in scan.collectives.items():
+    for (group, _seq), members in scan.tracing.collectives.items():
         if (group, _seq) not in scan.unaligned and len(members) >= 2:
             out[group].append([(rank, ts + dur) for rank, ts, dur, _ in members])
     return out
@@ -399,7 +399,7 @@ def _flows(scan: _Scan, offsets: dict[int, float]) -> tuple[dict[int, list[FlowE
             continue
         pair(send, recv, "p2p", f"p2p {key[3]}")
     counts["unmatched_recvs"] = sum(1 for key in scan.recvs if key not in scan.sends and key[1] in present)
-    for (_group, _seq), members in scan.collectives.items():
+    for (_group, _seq), members in scan.tracing.collectives.items():
         if len(members) < 2:
             continue
         last = max(members, key=lambda m: m[1] + offsets[m[0]])
@@ -468,7 +468,7 @@ def aggregate(
             _notify(f"clock refinement rejected (beyond 3x uncertainty + 2 ms) for rank(s) {_compact(rejected)}")
     offsets = _share_clock_domains(scan, offsets, 0 if 0 in offsets else min(offsets))
     after = _residuals(instances, offsets)
-    collective_instances = len(scan.collectives)
+    collective_instances = len(scan.tracing.collectives)
     flows, flow_counts = _flows(scan, offsets)
     skew = {"before": _skew(before), "after": _skew(after)}
     del before, after, instances  # pass 2 needs only the flows and offsets: free the endpoints first
