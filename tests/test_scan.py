@@ -78,7 +78,9 @@ def suspects(result: dict[str, Any]) -> dict[int, str]:
 def _waits_text(trace_dir: Path, report: dict[str, Any]) -> str:
     """What a failed host-wait case needs to be understood: the report, each rank's waits per step, and detection
     run again on the files as they are now (a fit-end report that differs read files not yet complete)."""
-    from lightning_megatron.scan.analysis.detect import DetectionReport, detect, read_traces
+    from lightning_megatron.scan.analysis.detect import detect
+    from lightning_megatron.scan.analysis.measure import read_traces
+    from lightning_megatron.scan.analysis.report import DetectionReport
     from lightning_megatron.scan.analysis.waits import host_waits_in_steps
 
     waits = host_waits_in_steps(read_traces(trace_dir, [], None))
@@ -363,7 +365,7 @@ def test_a_stall_before_the_ranks_synchronise_is_named_host(ranks: Any, tmp_path
     """Rank 1's host blocks between steps, before Lightning's per-batch synchronisation of the ranks: every rank's
     gap ends together (the others wait the stall out at that synchronisation), so only the ``step-sync`` spans
     say who kept whom waiting. Before they were traced this was named by nothing (0 of 15 CPU runs)."""
-    from lightning_megatron.scan.analysis.detect import read_traces
+    from lightning_megatron.scan.analysis.measure import read_traces
 
     stall = ranks.run(WORLD, data_fault_fit, str(tmp_path / "stall"), "stall", timeout=300)
     assert suspects(stall[0]) == {1: "host"}, stall[0]["report"]

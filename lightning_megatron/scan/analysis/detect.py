@@ -1,10 +1,11 @@
 """``lightning-megatron scan detect``: find the ranks that slow a run down, from MegaScan traces alone.
 
-The contract: a trace directory in, a ``DetectionReport`` out; this module holds the rules that decide what is
-slow (who is compared with whom, the thresholds, the lateness rule) and the CLI; the compute rules are in
-``scan.analysis.compute_rules`` (peers) and ``scan.analysis.stage_rules`` (lone pipeline stages). ``scan.analysis.measure`` and
-``scan.analysis.waits`` turn the rank files into measurements, ``scan.analysis.compare`` compares a member with its peers
-statistically, and ``scan.analysis.report`` holds (and prints, serialises, logs) the result.
+The contract: a trace directory in, a ``DetectionReport`` out. This module reads the rank files
+(``scan.analysis.measure``), builds the ``DetectionContext`` every rule reads (``scan.analysis.rules_common``),
+runs the rules in their declared order (``scan.analysis.rules.RULES``: compute in ``compute_rules`` and
+``stage_rules``, their attribution in ``attribution``, links in ``link_rules``, waits in ``wait_rules`` and
+``cpu_rules``) and holds the CLI; ``scan.analysis.compare`` compares a member with its peers statistically, and
+``scan.analysis.report`` holds (and prints, serialises, logs) the result.
 
 In synchronous training one slow GPU, one slow link or one slow data loader delays every rank: the others wait
 for it inside collectives and pipeline sends/receives, so their *step* times are all equally long and say
@@ -81,77 +82,16 @@ is taken for hiccups (on purpose), and the per-step rule needs at least 8 traced
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import warnings
-from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
 
-from lightning_megatron.scan.analysis.attribution import attribute_busy, attribute_host
-from lightning_megatron.scan.analysis.compare import (
-    compare_with_peers,
-    later_steps_change,
-    levels_of,
-    lower_half_bias,
-    lower_half_median,
-    mad_sigma,
-    pooled_sigma,
-)
-from lightning_megatron.scan.analysis.compute_rules import (
-    MIN_STEPS,
-    compute_suspects,
-    flagged,
-    history_alpha,
-    history_evidence,
-    make_suspect,
-    own_history_suspects,
-    peer_groups,
-    step_suspects,
-    wait_evidence,
-)
-from lightning_megatron.scan.analysis.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
-from lightning_megatron.scan.analysis.gpu_measure import busy_times, host_pacing
-from lightning_megatron.scan.analysis.measure import (
-    Link,
-    RankTrace,
-    Transfer,
-    clock_sigma,
-    collective_arrivals,
-    keep_finished_steps,
-    layer_parts_per_step,
-    link_transfers,
-    net_compute,
-    read_traces,
-    step_totals,
-    summarize,
-)
-from lightning_megatron.scan.analysis.report import KINDS, DetectionReport, RankSummary, Suspect, log_to
-from lightning_megatron.scan.analysis.stage_rules import (
-    cross_stage_step_suspects,
-    cross_stage_suspects,
-    cross_stage_wait_suspects,
-)
-from lightning_megatron.scan.analysis.waits import DataWaits, cpu_waits, data_waits, host_waits_in_steps, waited_for
+from lightning_megatron.scan.analysis.measure import keep_finished_steps, read_traces
+from lightning_megatron.scan.analysis.report import DetectionReport
+from lightning_megatron.scan.analysis.rules import run_rules
+from lightning_megatron.scan.analysis.rules_common import DetectionContext
 
-# the report's names and three statistics helpers were defined here before measuring, comparing and reporting
-# became modules of their own; they stay importable from here
-__all__ = [
-    "KINDS",
-    "Suspect",
-    "RankSummary",
-    "DetectionReport",
-    "detect",
-    "register_cli",
-    "log_to",
-    "lower_half_median",
-    "lower_half_bias",
-    "mad_sigma",
-]
-
-
-_MIN_CLEAN = 3  # transfers per link with both ends alone in their spans, to compare only those (see links)
+__all__ = ["detect", "register_cli"]
 
 
 def detect(
@@ -178,334 +118,19 @@ def detect(
     notes: list[str] = []
     traces = read_traces(trace_dir, notes, since_step)
     all_steps = keep_finished_steps(traces, skip_steps, notes)
-
-    per_rank = {rank: summarize(trace) for rank, trace in traces.items()}
-    compute_samples, layer_samples = net_compute(traces, per_rank)
-    collective_stats = collective_arrivals(traces, per_rank)
-    median_step_us = statistics.median([r.step_ms * 1000 for r in per_rank.values() if r.step_ms is not None] or [0.0])
-    min_impact_us = min_impact * median_step_us
-
-    suspects: list[Suspect] = []
-    suspects += compute_suspects(
-        traces,
-        per_rank,
-        compute_samples,
-        layer_samples,
-        collective_stats,
-        min_slowdown,
-        min_z,
-        min_impact_us,
-        notes,
-    )
-    totals = step_totals(traces)
-    suspects = step_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us)
-    parts_per_step = layer_parts_per_step(traces)
-    suspects += cross_stage_suspects(traces, per_rank, parts_per_step, min_slowdown, min_z, min_impact_us)
-    suspects += cross_stage_step_suspects(
-        traces,
-        per_rank,
-        parts_per_step,
-        layer_parts_per_step(traces, host_paced_too=True),
-        layer_samples,
-        suspects,
-        min_slowdown,
-        min_impact_us,
-    )
-    suspects += own_history_suspects(traces, per_rank, totals, suspects, min_slowdown, min_impact_us, notes)
-    suspects = attribute_busy(suspects, traces, busy_times(traces), min_slowdown, notes)
-    suspects = attribute_host(suspects, host_pacing(traces), traces, min_slowdown, notes)
-    # transfers are matched here, not with the other measurements above, so that the warnings keep their order
-    suspects += _link_suspects(traces, link_transfers(traces, notes), min_slowdown, min_z, min_impact_us, notes)
-    for kind, waits in (("data", data_waits(traces)), ("host", data_waits(traces, "host"))):
-        found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, min_impact_us, kind)
-        if kind == "host":
-            found += cross_stage_wait_suspects(
-                traces, per_rank, waits, min_slowdown * median_step_us, min_slowdown, min_z
-            )
-        # Against its own history a host gap must cost min_slowdown of a step, as inside steps: with no peer to
-        # compare with, a gap 0.3 ms longer than before (0.6% of a 48 ms step: one of 10 clean fits on an H100
-        # whose rank had one CPU) is drift, not a slow host.
-        history_bar_us = max(min_impact_us, min_slowdown * median_step_us) if kind == "host" else min_impact_us
-        found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, history_bar_us, kind)
-        suspects += _as_share_of_step(found, median_step_us)
-    suspects += _host_in_step_suspects(traces, per_rank, suspects, median_step_us, min_slowdown, min_z)
-    waited = cpu_waits(traces)
-    found = cpu_wait_suspects(traces, per_rank, waited, median_step_us, min_slowdown)
-    found += cpu_wait_history_suspects(traces, per_rank, waited, suspects + found, median_step_us, min_slowdown)
-    suspects = merge_cpu_waits(suspects, found)
-    suspects = _fold_consequences(suspects)
-    suspects.sort(key=lambda s: (-s.impact_ms, -s.slowdown, s.rank))
+    context = DetectionContext.measure(traces, notes, min_slowdown=min_slowdown, min_z=min_z, min_impact=min_impact)
+    suspects = run_rules(context)
 
     for note in notes:
         warnings.warn(f"megascan detect: {note}", stacklevel=2)
     return DetectionReport(
         trace_dir=str(trace_dir),
         suspects=suspects,
-        per_rank=per_rank,
+        per_rank=context.per_rank,
         warnings=notes,
         params={"min_slowdown": min_slowdown, "min_z": min_z, "min_impact": min_impact, "skip_steps": skip_steps},
         steps=all_steps,
     )
-
-
-_CONSEQUENCE_SHARE = 0.25
-"""A host-gap or link suspect costing less than this share of its rank's compute suspect is a consequence of it."""
-
-
-def _fold_consequences(suspects: list[Suspect]) -> list[Suspect]:
-    """One rank, one cause: a slower GPU also lengthens what runs on it or waits for it, so a lesser suspect on a
-    rank already named ``compute`` for several times as much per step (``_CONSEQUENCE_SHARE``) is kept as that
-    suspect's evidence, not named as a second cause:
-
-    * a longer host gap between steps (it holds round trips to the GPU, such as Lightning's per-step
-      synchronisation): ``host_gap_ms`` (2x H200, another process competing for one GPU: +3.5 ms of host gap
-      per step beside +180 ms of compute, every such run);
-    * a slower link from that rank (its communication kernels share the GPU too): ``link_ms`` and the link's
-      ``link_peer`` (2x H200 at PP2, the same fault: +4 to +6 ms of transfer beside +55 to +75 ms of compute)."""
-    compute = {s.rank: s for s in suspects if s.kind == "compute"}
-    kept = []
-    for suspect in suspects:
-        cause = compute.get(suspect.rank)
-        minor = cause is not None and suspect.impact_ms < _CONSEQUENCE_SHARE * cause.impact_ms
-        if minor and suspect.kind == "host" and "late_ms" in suspect.evidence:  # from the host-gap comparison
-            key = "host_in_step_ms" if "where" in suspect.evidence else "host_gap_ms"
-            cause.evidence[key] = round(suspect.impact_ms, 3)
-            continue
-        if minor and suspect.kind == "link":
-            cause.evidence.update(link_ms=round(suspect.impact_ms, 3), link_peer=suspect.peer)
-            continue
-        kept.append(suspect)
-    return kept
-
-
-def _link_suspects(
-    traces: dict[int, RankTrace],
-    transfers: dict[Link, list[Transfer]],
-    min_slowdown: float,
-    min_z: float,
-    min_impact_us: float,
-    notes: list[str],
-) -> list[Suspect]:
-    """Compare the links' transfer time per byte within a link class (direction, and whether both ends are on
-    one host: NVLink and network links are not peers).
-
-    A span that holds several ops (megatron-core's ``send-forward-recv-backward``) ends when the slowest of
-    them is done and starts before the last of them is posted, so a transfer measured through it can only come
-    out too long: a delayed send to Q also stretches the receive from Q in the same span, and the healthy
-    reverse link would look slow too. Where every link of a class has at least ``_MIN_CLEAN`` transfers with
-    both ends alone in their spans (pipeline warm-up and cool-down have them), only those are compared."""
-    classes: dict[tuple[str, bool], list[Link]] = defaultdict(list)
-    for link in transfers:
-        src, dst, direction = link
-        classes[(direction, traces[src].host == traces[dst].host)].append(link)
-    # Two stages have one link each way: no link has a peer in its direction. Activations forward and their
-    # gradients backward have the same shape, so the two directions become one class there (per byte).
-    for same_host in (False, True):
-        lone = [key for key, links in classes.items() if key[1] == same_host and len(links) < 2]
-        if len(lone) == 2:
-            classes[("both", same_host)] = [link for key in lone for link in classes.pop(key)]
-    # Transfers whose span measured a slow host, not the link (``measure.host_paced``), are left out; a class
-    # with a link left too few of them is not compared.
-    paced = {link: [t for t in samples if not t.host_paced] for link, samples in transfers.items()}
-    for key, links in list(classes.items()):
-        if any(len(paced[link]) < _MIN_CLEAN for link in links):
-            if any(len(paced[link]) < len(transfers[link]) for link in links):
-                notes.append(
-                    f"{key[0]} links: fewer than {_MIN_CLEAN} transfers of a link were not paced by their host; "
-                    "links not compared"
-                )
-            del classes[key]
-    transfers = paced
-    chosen: dict[Link, list[Transfer]] = {}
-    for links in classes.values():
-        clean = all(sum(t.clean for t in transfers[link]) >= _MIN_CLEAN for link in links)
-        for link in links:
-            chosen[link] = [t for t in transfers[link] if t.clean or not clean]
-    everywhere = pooled_sigma([t.us / t.bytes for t in samples] for samples in chosen.values())
-    suspects = []
-    for (direction, same_host), links in sorted(classes.items()):
-        if len(links) < 2:
-            continue
-        floor = max(pooled_sigma([t.us / t.bytes for t in chosen[link]] for link in links), everywhere)
-        levels = {}
-        for link in links:
-            samples = chosen[link]
-            level = levels_of({"per_byte": [t.us / t.bytes for t in samples]}, floor)["per_byte"]
-            # a clock error is systematic for a link: no number of samples averages it away. It counts when
-            # the median rests on cross-clock samples.
-            if sum(t.cross_clock for t in samples) >= 0.25 * len(samples):
-                typical_bytes = statistics.median(t.bytes for t in samples)
-                level.se = math.hypot(level.se, clock_sigma(traces[link[0]], traces[link[1]]) / typical_bytes)
-            levels[link] = {"per_byte": level}
-        for c in compare_with_peers(levels):
-            if not flagged(c, min_slowdown, min_z):
-                continue
-            src, dst, _ = c.member
-            samples = chosen[c.member]
-            median_us = statistics.median(t.us for t in samples)
-            per_step = len(transfers[c.member]) / max(len({t.step for t in transfers[c.member]}), 1)
-            impact_us = per_step * median_us * c.excess / (1 + c.excess)
-            if impact_us < min_impact_us:
-                continue
-            evidence = {
-                "direction": direction,
-                "link_class": f"{direction} {'intra-host' if same_host else 'inter-host'}",
-                "median_us_per_mb": c.median * 1e6,
-                "baseline_us_per_mb": c.baseline * 1e6,
-                "median_transfer_ms": median_us / 1000,
-                "transfers": len(samples),
-                "clean_only": len(samples) < len(transfers[c.member]),
-                "transfers_per_step": per_step,
-                "z": round(c.z, 2),
-                "superiority": round(c.superiority, 3),
-                "compared_links": len(links) - 1,
-                "impact_ms": impact_us / 1000,
-            }
-            suspects.append(make_suspect(traces[src], "link", c.excess, evidence, peer=dst))
-    return suspects
-
-
-def _data_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    waits: DataWaits,
-    min_slowdown: float,
-    min_z: float,
-    min_impact_us: float,
-    kind: str = "data",
-) -> list[Suspect]:
-    """Compare the data-wait per step with every other rank's (``kind="host"``: the host gap, with the ranks of
-    the same pipeline stage).
-
-    A longer data-wait is only blamed on data loading where it also made the rank *late*: slow loading ends
-    the wait after the peers' waits end (on the aligned clock). A wait that began earlier than the peers' and
-    ended with them was spent waiting for them at a synchronisation point between the batches (an untraced
-    collective, e.g. the trainer's per-batch stop decision); that is their slowness, not this rank's loading.
-    The part of the excess that is not lateness is left out (``evidence["late_ms"]``)."""
-    samples, ends = waits.samples, waits.ends
-    suspects = []
-    everywhere = pooled_sigma(samples.values())
-    # Every rank fetches the same batch, whatever its stage, so fetches are compared across the whole job (a
-    # pipeline without data parallelism has no other peers); host gaps depend on the stage's work, so those are
-    # compared within a stage.
-    stages = peer_groups(traces)
-    groups = {0: sorted(traces)} if kind == "data" else stages
-    for _pp, ranks in sorted(groups.items()):
-        members = [r for r in ranks if r in samples]
-        if len(members) < 2:
-            continue
-        floor = max(pooled_sigma(samples[r] for r in members), everywhere)
-        comparisons = compare_with_peers({r: levels_of({"data-wait": samples[r]}, floor) for r in members})
-        for c in comparisons:
-            if not flagged(c, min_slowdown, min_z):
-                continue
-            rank = c.member
-            excess_us = c.median - c.baseline
-            stage = [r for r in stages[traces[rank].pp] if r in samples]
-            if len(stage) >= 2:
-                late_us = _lateness(rank, stage, ends)
-                # the clock alignment is only good to its uncertainty: lateness within it is no evidence either way
-                tolerance = max(clock_sigma(traces[rank], traces[m]) for m in stage)
-                if kind == "host" and all(m in waits.synced for m in stage):
-                    # A stall before the ranks synchronise (Lightning's per-batch synchronisation between steps,
-                    # a collective inside them) ends every rank's wait together: the others waited it out there,
-                    # which says who was late without any clock.
-                    late_us = max(late_us, waited_for(rank, stage, waits.synced))
-                if rank in waits.waited_during:
-                    # ... and inside steps, how long the peers were blocked during the rank's own gaps (at TP
-                    # the step's other waits swing too much between steps to show it: ``host_waits_in_steps``)
-                    late_us = max(late_us, statistics.median(waits.waited_during[rank].values()))
-                if late_us + 2 * tolerance < 0.5 * excess_us:
-                    continue  # mostly waiting for the others, not loading
-                impact_us = min(excess_us, max(late_us, 0.0) + 2 * tolerance)
-            else:
-                # Alone in its stage: other stages end their steps at other moments, so lateness says nothing;
-                # a fetch is the rank's own work (``kind="data"`` only: host gaps are compared within a stage).
-                late_us = math.nan
-                impact_us = excess_us
-            if impact_us < min_impact_us:
-                continue
-            evidence = wait_evidence(c, late_us, len(members) - 1, impact_us, per_rank[rank])
-            suspects.append(make_suspect(traces[rank], kind, c.excess, evidence))
-    return suspects
-
-
-def _history_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    waits: DataWaits,
-    suspects: list[Suspect],
-    min_slowdown: float,
-    min_impact_us: float,
-    kind: str,
-) -> list[Suspect]:
-    """Ranks not yet named ``kind`` whose fetches (``kind="data"``) or host gaps (``"host"``) took longer in their
-    later steps than in their own earlier ones (the compute rule against itself, ``HISTORY_RULE``): a loader or
-    host that turned slow during the run. The peer rule cannot see that: one process has no peer, and a change
-    in half of the steps does not make a rank slower than its peers in most of them."""
-    named = {s.rank for s in suspects if s.kind == kind}
-    found = []
-    for rank in sorted(waits.samples):
-        if rank in named:
-            continue
-        per_step = dict(zip(waits.ends[rank], waits.samples[rank]))  # both filled step by step, in one order
-        change = later_steps_change(per_step, MIN_STEPS, history_alpha(len(waits.samples)))
-        evidence = history_evidence(change, min_slowdown, min_impact_us, len(waits.samples))
-        if evidence is None:
-            continue
-        evidence.update(late_ms=None, step_ms=per_rank[rank].step_ms)  # against itself: lateness not measured
-        found.append(make_suspect(traces[rank], kind, change.excess, evidence))
-    return found
-
-
-def _host_in_step_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    suspects: list[Suspect],
-    median_step_us: float,
-    min_slowdown: float,
-    min_z: float,
-) -> list[Suspect]:
-    """``host`` suspects for the time a rank's GPU waited for its host *inside* its steps
-    (``measure.host_waits_in_steps``: a callback that blocks before the step ends), by the rules of the host gaps
-    between steps: against the peers of its stage (who also ended late), and against its own earlier steps.
-
-    The healthy level of that time is small (1.9 ms of a 208 ms step on one H100), so a relative excess says little;
-    a suspect must cost ``min_slowdown`` of the job's median step (a stall worth naming slows the job) and its
-    ``slowdown`` is that share. Ranks already named ``host`` (between steps) are left out: one cause, one name."""
-    if not median_step_us:
-        return []
-    named = {s.rank for s in suspects if s.kind == "host"}
-    waits = host_waits_in_steps(traces).without(named)
-    bar_us = min_slowdown * median_step_us
-    found = _data_suspects(traces, per_rank, waits, min_slowdown, min_z, bar_us, "host")
-    found += cross_stage_wait_suspects(traces, per_rank, waits, bar_us, min_slowdown, min_z)
-    found += _history_suspects(traces, per_rank, waits, found, min_slowdown, bar_us, "host")
-    for suspect in found:
-        suspect.evidence["where"] = "inside steps: the GPU waited for the host"
-    return _as_share_of_step(found, median_step_us)
-
-
-def _as_share_of_step(suspects: list[Suspect], median_step_us: float) -> list[Suspect]:
-    """Waits (fetches, host gaps) are reported as the share of the job's median step they cost: their healthy
-    level is near zero, so their own relative excess is huge and says nothing about the job (a 50 ms stall after
-    a 0.9 ms gap read "+5360%"). That excess stays in ``evidence["wait_excess"]``."""
-    for suspect in suspects:
-        suspect.evidence["wait_excess"] = suspect.slowdown
-        if median_step_us:
-            suspect.slowdown = round(suspect.evidence["impact_ms"] * 1000 / median_step_us, 4)
-    return suspects
-
-
-def _lateness(rank: int, members: Sequence[int], ends: dict[int, dict[int, float]]) -> float:
-    """Median over steps of how much later the rank's data-wait ended than its peers' (their lower-half median
-    end: the healthy ones end first), on the aligned clock."""
-    late = []
-    for step, end in ends[rank].items():
-        others = [ends[m][step] for m in members if m != rank and step in ends[m]]
-        if others:
-            late.append(end - lower_half_median(others))
-    return statistics.median(late) if late else math.inf
 
 
 # ----------------------------------------------------------------------------------------------- CLI

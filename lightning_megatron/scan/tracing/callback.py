@@ -535,7 +535,8 @@ class MegaScan(pl.Callback, StepListener):
         self._close()
         trainer.strategy.barrier("megascan")
         if self.detect and trainer.is_global_zero:
-            from lightning_megatron.scan.analysis.detect import detect, log_to
+            from lightning_megatron.scan.analysis.detect import detect
+            from lightning_megatron.scan.analysis.report import log_to
 
             self.report = detect(self.trace_dir, **self.detect_options)
             write_report(self.trace_dir, self.report)
