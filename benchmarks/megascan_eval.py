@@ -29,8 +29,8 @@ between 0 and 1:
   behind the step's queued GPU work (which may hide it: then it must not be named wrongly);
 * ``host-stall-exposed``: the same ``on_before_optimizer_step`` stall, 125% of a clean step: longer than the
   GPU work queued before it, so the GPU idles inside the step with no synchronisation in front of the stall;
-* ``slow-loader`` / ``slow-loader-mild``: the rank's samples take longer to read (``scan.evaluation.faults.SlowDataset``),
-  about 25% / 2% of a clean step per batch;
+* ``slow-loader`` / ``slow-loader-mild``: the rank's samples take longer to read
+  (``scan.evaluation.faults.SlowDataset``), about 25% / 2% of a clean step per batch;
 * ``link-delay`` (PP2 only): pipeline messages from rank 0 to rank 1 arrive later, about 25% of a clean step per
   step (``scan.evaluation.inject.LinkDelayInjector``).
 

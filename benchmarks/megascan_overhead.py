@@ -87,8 +87,8 @@ def fit_once(
     strategy_options: Optional[dict[str, Any]] = None,
 ) -> list[float]:
     """One Trainer.fit; per-step seconds (after a synchronize at both ends of each step). ``wrap_dataset``:
-    applied to the training set (``scan.evaluation.faults.SlowDataset``). ``wall``: the seconds from one step's end to the
-    next's instead, the fetch of the batch included (what a slow data loader lengthens)."""
+    applied to the training set (``scan.evaluation.faults.SlowDataset``). ``wall``: the seconds from one step's end to
+    the next's instead, the fetch of the batch included (what a slow data loader lengthens)."""
     import lightning.pytorch as pl
     import torch
 

@@ -64,7 +64,7 @@ def traced_fit(
     result = cases.fit_gpt(WORLD, steps=steps, callbacks=callbacks, data={"global_batch_size": 16}, **layout)
     return {
         "loss": result["loss"],
-        "report": json.loads(scan.analysis.report.to_json()) if scan.analysis.report is not None else None,
+        "report": json.loads(scan.report.to_json()) if scan.report is not None else None,
         "restored": dist.all_reduce is original_all_reduce,
         "file_closed": scan._file is None,
         "traces_replays": scan.traces_replays,
@@ -274,7 +274,7 @@ def online_fit(trace_dir: str, slow_until: int, steps: int, stop: bool = False) 
         WORLD, steps=steps, callbacks=[scan, injector, Heal()], data={"global_batch_size": 16}, **DP2_PP2
     )
     return {
-        "online": [(o["step"], o["appeared"], o["recovered"]) for o in scan.tracing.online],
+        "online": [(o["step"], o["appeared"], o["recovered"]) for o in scan.online],
         "global_step": result["global_step"],
     }
 
@@ -349,7 +349,7 @@ def data_fault_fit(trace_dir: str, fault: str, layout: Optional[dict[str, int]] 
         "stall-in-step": [HostStall([1], delay_ms=3000, hook="before_optimizer_step")],
     }.get(fault, [])
     cases.fit_gpt(WORLD, steps=8, callbacks=[HostWork(), scan, *stall], datamodule=data, **(layout or DP2_PP2))
-    return {"report": json.loads(scan.analysis.report.to_json())}
+    return {"report": json.loads(scan.report.to_json())}
 
 
 def test_data_time_is_the_fetch_not_the_gap_between_steps(ranks: Any, tmp_path: Path) -> None:

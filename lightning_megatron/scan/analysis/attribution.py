@@ -1,14 +1,14 @@
 """Is a compute suspect a slow GPU, a late host, or nothing? The attribution step of ``scan.analysis.detect``.
 
-The contract: compute suspects in (from the rules of ``scan.analysis.compute_rules`` and ``scan.analysis.stage_rules``), the same
-suspects out, each kept as ``compute``, renamed ``host``, or dropped with a note; the suspects of other kinds pass
-through unchanged.
+The contract: compute suspects in (from the rules of ``scan.analysis.compute_rules`` and ``scan.analysis.stage_rules``),
+the same suspects out, each kept as ``compute``, renamed ``host``, or dropped with a note; the suspects of other kinds
+pass through unchanged.
 
 A compute span is GPU wall time between two events, so a slower GPU, kernels time-sliced with another process,
 and a host that queued the work late all make it longer. Two measurements tell them apart:
 
-* **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.tracing.busy``, ``scan.analysis.gpu_measure``): the
-  suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer, over
+* **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.tracing.busy``, ``scan.analysis.gpu_measure``):
+  the suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer, over
   all or against its peers in any one sampled step, are the GPU's own work (``compute``); an excess made of
   idle time between kernels is the host's, if its host also took longer to queue the same work, by enough to
   explain the excess, and nobody's otherwise.
@@ -148,7 +148,8 @@ _BUSY_MIN_STEPS = 3  # steps with busy time on the suspect and every peer, to co
 
 
 def attribute_busy(context: DetectionContext) -> list[Suspect]:
-    """Compute suspects judged on GPU busy time where the trace has it (``scan.tracing.busy``); returns the suspects kept.
+    """Compute suspects judged on GPU busy time where the trace has it (``scan.tracing.busy``); returns the suspects
+    kept.
 
     A span's excess is either kernel time (a slower GPU, or kernels time-sliced with another process: the GPU's
     own work took longer) or time in which the GPU idled between kernels (a host that queued the work late,

@@ -76,6 +76,12 @@ def compute_suspects(context: DetectionContext) -> list[Suspect]:
                     "one rank, no peers: it is compared with its own earlier steps only (a rank slow from its "
                     "first traced step on is not seen)"
                 )
+            elif members and len(ranks) > 1:  # its peers' traces hold no compute: lost data, not a lone stage
+                without = ", ".join(str(r) for r in ranks if r not in members)
+                notes.append(
+                    f"stage pp{pp}: rank(s) {without} without compute spans, so rank {members[0]} has no peer to "
+                    "compare with"
+                )
             elif members and not layers[members[0]]:
                 notes.append(
                     f"stage pp{pp}: a single rank with compute spans, no peers to compare with (trace with "

@@ -1,7 +1,8 @@
-"""The rule of ``scan.analysis.detect`` for a rank whose training thread waited for a CPU: ``host``, whatever its spans say.
+"""The rule of ``scan.analysis.detect`` for a rank whose training thread waited for a CPU: ``host``, whatever its spans
+say.
 
-The contract: ``scan.analysis.waits.cpu_waits`` in (the run-queue delay of each rank's training thread per step, from the
-kernel, ``scan.tracing.sched``), ``host`` suspects out, with the statistics of ``scan.analysis.compare``.
+The contract: ``scan.analysis.waits.cpu_waits`` in (the run-queue delay of each rank's training thread per step, from
+the kernel, ``scan.tracing.sched``), ``host`` suspects out, with the statistics of ``scan.analysis.compare``.
 
 A thread that is runnable but gets no CPU loses that time wherever it is: in a compute span (which then looks like
 a slower GPU or CPU), in a host gap, or inside a collective it had entered (which then looks like waiting for the

@@ -29,9 +29,9 @@ the time its peers spend on the *same* work, after taking the waiting out:
   of its peers (p < 0.01 over its peers, Bonferroni) by ``min_slowdown`` and ``min_impact``;
   ``evidence["peers_wait_ms"]`` says how much longer its peers waited in collectives and gradient sync per
   step (who waited for whom, without clocks);
-* **compute across stages** (``scan.analysis.stage_rules``): where a stage has a single rank (pipeline parallelism alone)
-  and the trace has layer spans (``granularity="layer"``), transformer layer parts (attention, MLP, forward and
-  backward) are the same work on every stage: those ranks are compared on them, per part and per step (a
+* **compute across stages** (``scan.analysis.stage_rules``): where a stage has a single rank (pipeline
+  parallelism alone) and the trace has layer spans (``granularity="layer"``), transformer layer parts (attention, MLP,
+  forward and backward) are the same work on every stage: those ranks are compared on them, per part and per step (a
   typical layer), on the spans their GPU paced;
 * **compute against itself**: a rank's later steps against its own earlier ones (every split that leaves 8 steps
   on each side; a rank-sum and an exceedance test, family-wise by permutation), for what no peer can show: a
@@ -54,8 +54,8 @@ the time its peers spend on the *same* work, after taking the waiting out:
   that blocks before the step ends), by the same two rules, where it costs ``min_slowdown`` of a step; a stall
   before a collective inside the step (the optimizer's all-reduce) ends every peer's step together, so there the
   peers' longer waits inside the step say who was late (``waits.waited_for``, clock-free);
-* **host across stages** (``scan.analysis.stage_rules``): ranks alone in their stage compare both kinds of host wait with
-  the other lone stages, where the excess costs ``min_slowdown`` of a step;
+* **host across stages** (``scan.analysis.stage_rules``): ranks alone in their stage compare both kinds of host
+  wait with the other lone stages, where the excess costs ``min_slowdown`` of a step;
 * **waits for a CPU** (``scan.analysis.cpu_rules``): a rank whose training thread was runnable but had no CPU (the
   kernel's run-queue delay, ``scan.tracing.sched``: another process's time slices, a container's CPU limit) for
   ``min_slowdown`` of a step more than the other ranks', or than in its own earlier steps, is ``host``, wherever
@@ -86,7 +86,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-from lightning_megatron.scan.analysis.measure import keep_finished_steps, read_traces
+from lightning_megatron.scan.analysis.measure import keep_finished_steps, read_traces, unjudged_ranks
 from lightning_megatron.scan.analysis.report import DetectionReport
 from lightning_megatron.scan.analysis.rules import run_rules
 from lightning_megatron.scan.analysis.rules_common import DetectionContext
@@ -112,11 +112,13 @@ def detect(
     ``skip_steps``: leave out the first recorded steps (warm-up). ``since_step``: analyse only that step and
     later (MegaScan's online detection: a sliding window of recent steps, read in bounded memory).
     Besides, a suspect must be slower than a healthy peer in 80 % of sample pairs (see the module docstring).
-    Missing or truncated rank files only produce warnings (in the report, and as Python warnings); a directory
+    Missing or truncated rank files produce warnings (in the report, and as Python warnings), and the ranks left
+    without a finished step to analyse are the report's ``unjudged_ranks`` (its verdict names them); a directory
     without rank files raises ``FileNotFoundError``."""
     trace_dir = Path(trace_dir)
     notes: list[str] = []
     traces = read_traces(trace_dir, notes, since_step)
+    had_spans = {rank: bool(trace.spans) for rank, trace in traces.items()}
     all_steps = keep_finished_steps(traces, skip_steps, notes)
     context = DetectionContext.measure(traces, notes, min_slowdown=min_slowdown, min_z=min_z, min_impact=min_impact)
     suspects = run_rules(context)
@@ -130,6 +132,7 @@ def detect(
         warnings=notes,
         params={"min_slowdown": min_slowdown, "min_z": min_z, "min_impact": min_impact, "skip_steps": skip_steps},
         steps=all_steps,
+        unjudged_ranks=unjudged_ranks(traces, had_spans),
     )
 
 
@@ -137,8 +140,9 @@ def detect(
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """``detect TRACE_DIR [--json OUT.json] [--min-slowdown 0.08]``: print the suspects table (exit code 0
-    whether or not there are suspects: this is a report, not a check)."""
+    """``detect TRACE_DIR [--json OUT.json] [--min-slowdown 0.08]``: print the warnings, then the verdict and the
+    suspects table. Exit code 0 whether or not there are suspects (this is a report, not a check), 1 where no rank
+    could be judged (every trace without a finished step: no verdict at all), 2 without rank files."""
     parser = subparsers.add_parser(
         "detect",
         help="rank the slow ranks, links and data loaders of a MegaScan trace directory",
@@ -174,4 +178,4 @@ def _run_cli(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(report.to_json() + "\n")
         print(f"report written to {args.json}")
-    return 0
+    return 0 if report.judged else 1

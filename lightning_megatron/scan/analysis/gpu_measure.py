@@ -1,5 +1,5 @@
 """What the GPU recorder's fields say about each rank: how often its GPU waited for its host, and how much of its
-spans' time its kernels were busy; for ``scan.analysis.compute_rules``' attribution of compute suspects.
+spans' time its kernels were busy; for the attribution of compute suspects (``scan.analysis.attribution``).
 
 The contract, as ``scan.analysis.measure``'s: rank traces in, numbers out, nothing decided here.
 

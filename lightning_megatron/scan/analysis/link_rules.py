@@ -1,4 +1,5 @@
-"""The link rule of ``scan.analysis.rules``: which ordered links move their bytes slower than their peers (``kind="link"``).
+"""The link rule of ``scan.analysis.rules``: which ordered links move their bytes slower than their peers
+(``kind="link"``).
 
 The contract: p2p transfers matched per link (``measure.link_transfers``, through the context) in, ``link``
 suspects out (the sender is the suspect's ``rank``, the receiver its ``peer``), with the statistics of

@@ -72,6 +72,7 @@ __all__ = [
     "read_traces",
     "StepTotal",
     "step_totals",
+    "unjudged_ranks",
     "summarize",
     "transfer_us",
     "waits_for_others",
@@ -128,7 +129,7 @@ def read_traces(trace_dir: Path, notes: list[str], since_step: Optional[int] = N
             warnings.simplefilter("always")
             traces[rank] = _read(path, rank, since_step)
         notes += [str(w.message) for w in caught]
-    world = max([t.world_size for t in traces.values() if t.world_size] + [max(traces) + 1])
+    world = _world_size(traces)
     missing = sorted(set(range(world)) - set(traces))
     if missing:
         notes.append(f"no trace for rank(s) {', '.join(map(str, missing))} of {world}")
@@ -136,6 +137,29 @@ def read_traces(trace_dir: Path, notes: list[str], since_step: Optional[int] = N
     if no_clock and len(traces) > 1:
         notes.append(f"no megascan.clock record for rank(s) {', '.join(map(str, no_clock))}: offset 0 assumed")
     return traces
+
+
+def _world_size(traces: dict[int, RankTrace]) -> int:
+    """The job's size: what the rank records say, or at least the highest rank read plus one."""
+    return max([t.world_size for t in traces.values() if t.world_size] + [max(traces) + 1])
+
+
+def unjudged_ranks(traces: dict[int, RankTrace], had_spans: dict[int, bool]) -> dict[int, str]:
+    """The ranks of the job that no rule can judge, each with why: no trace file, a file without events (empty or
+    cut short: a crash, a full disk), or no finished step to analyse. ``traces`` as ``keep_finished_steps`` left
+    them; ``had_spans``: per rank, whether its trace held any span before that.
+
+    Why: a rank without data is not a rank without trouble. The rules compare what they have, so without this a
+    job whose slow rank's trace was lost reads "nothing abnormal"; the report names these ranks instead."""
+    reasons = {rank: "no trace file" for rank in range(_world_size(traces)) if rank not in traces}
+    for rank, trace in traces.items():
+        if not trace.spans:
+            reasons[rank] = (
+                "no finished step to analyse in the trace"
+                if had_spans.get(rank)
+                else "no spans in the trace file: empty or cut short"
+            )
+    return dict(sorted(reasons.items()))
 
 
 def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:

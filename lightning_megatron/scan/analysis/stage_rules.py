@@ -3,8 +3,8 @@ tensor-parallel peers): such a rank has nobody doing its own work, but every sta
 one layer's attention or MLP is the same work on every stage.
 
 The contract: layer measurements in (``scan.analysis.measure``: net times of ``granularity="layer"`` spans), compute
-suspects out, with the statistics of ``scan.analysis.compare``, by two rules like the peer rules of ``compute_rules``; and
-host waits in (``scan.analysis.waits``), host suspects out, by a third:
+suspects out, with the statistics of ``scan.analysis.compare``, by two rules like the peer rules of
+``compute_rules``; and host waits in (``scan.analysis.waits``), host suspects out, by a third:
 
 * **per part** (``cross_stage_suspects``): per layer part (``forward attention``, ``backward mlp``, ...), each
   rank's samples against the other stages', flagged by excess, z and superiority. It sees a stage whose every

@@ -1,7 +1,8 @@
 """How long each rank waited, per step: for its data loader, for its host, and for the other ranks.
 
-The contract: ``RankTrace`` s in (``scan.analysis.measure`` reads them), ``DataWaits`` out, one per kind of wait; which waits
-are too long is decided in ``scan.analysis.detect``. A wait is what a slow loader, a slow host or a slow peer adds to a
+The contract: ``RankTrace`` s in (``scan.analysis.measure`` reads them), ``DataWaits`` out, one per kind of wait; which
+waits are too long is decided in ``scan.analysis.detect``. A wait is what a slow loader, a slow host or a slow peer adds
+to a
 rank's step without any compute of its own, so each is measured apart from the compute of ``scan.analysis.measure``:
 
 * **data** (``data_waits``): the loader's fetches (``data-fetch`` spans) per step, and when the step's last one
