@@ -2,8 +2,9 @@
 the small helpers the rules of ``scan.analysis.rules`` have in common (who is compared with whom, when a comparison
 is flagged, how a suspect and its evidence are made, the own-history rule's level and evidence).
 
-Why a module of its own: the rules import these and nothing of each other, so that any rule can move, change or go
-without touching another, and the order they run in is declared in one place (``rules.RULES``).
+Why a module of its own: the rules import these rather than each other (only the host-wait rules borrow the
+cross-stage wait comparison of ``stage_rules``), so that a rule can move, change or go without touching another,
+and the order they run in is declared in one place (``rules.RULES``).
 """
 
 from __future__ import annotations
