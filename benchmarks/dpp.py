@@ -101,7 +101,7 @@ def worker(
     from lightning_megatron.models import GPTModule
     from lightning_megatron.pipeline import get_schedule
     from lightning_megatron.pipeline.wgrad import split_linears
-    from lightning_megatron.scan.inject import SlowdownInjector
+    from lightning_megatron.scan.evaluation.inject import SlowdownInjector
 
     on_cpu = args.cpu_dry_run or args.cpu
     shape = MODEL_TINY if args.cpu_dry_run else MODEL_CPU if args.cpu else MODEL_1_3B

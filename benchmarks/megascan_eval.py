@@ -12,7 +12,7 @@ between 0 and 1:
 
 * ``clean``;
 * ``gpu-contention`` / ``gpu-contention-bursty``: another process multiplying matrices on the rank's GPU,
-  continuously / 0.3 s on, 0.3 s off (``scan.faults.CompetingProcess``; GPUs only);
+  continuously / 0.3 s on, 0.3 s off (``scan.evaluation.faults.CompetingProcess``; GPUs only);
 * ``gpu-memory-contention``: another process copying 512 MiB buffers on the rank's GPU, continuously
   (bandwidth-bound kernels instead of GEMMs; ``CompetingProcess(kind="gpu-memory")``; GPUs only);
 * ``cpu-contention``: spinning processes on the rank's CPUs (its affinity set; on GPUs ``--cpus-per-rank N`` first
@@ -23,16 +23,16 @@ between 0 and 1:
   100 ms (the kernel's CFS bandwidth control, ``outside_faults.CpuQuota``: it runs at full speed, then is stopped
   until the next period), where a cgroup can be made (root);
 * ``host-stall`` / ``host-stall-in-step`` / ``host-stall-hidden``: the rank's own Python blocks for about 25% of a
-  clean step per step (``scan.faults.HostStall``): in ``on_train_batch_end`` after MegaScan's (the host gap
+  clean step per step (``scan.evaluation.faults.HostStall``): in ``on_train_batch_end`` after MegaScan's (the host gap
   before the next step), the same before MegaScan's (inside the traced step, after the GPU finished: the
   evaluation's step timer synchronizes first, as a logged loss would), and in ``on_before_optimizer_step``,
   behind the step's queued GPU work (which may hide it: then it must not be named wrongly);
 * ``host-stall-exposed``: the same ``on_before_optimizer_step`` stall, 125% of a clean step: longer than the
   GPU work queued before it, so the GPU idles inside the step with no synchronisation in front of the stall;
-* ``slow-loader`` / ``slow-loader-mild``: the rank's samples take longer to read (``scan.faults.SlowDataset``),
-  about 25% / 2% of a clean step per batch;
+* ``slow-loader`` / ``slow-loader-mild``: the rank's samples take longer to read
+  (``scan.evaluation.faults.SlowDataset``), about 25% / 2% of a clean step per batch;
 * ``link-delay`` (PP2 only): pipeline messages from rank 0 to rank 1 arrive later, about 25% of a clean step per
-  step (``scan.inject.LinkDelayInjector``).
+  step (``scan.evaluation.inject.LinkDelayInjector``).
 
 ``single`` is one process on one GPU (CUDA graphs replayed by default there, and traced so): no peer to compare
 with, so its faults begin during the run, ``--onset`` of the way through the traced steps (default halfway;
@@ -127,7 +127,7 @@ def _callbacks(
     start) and ``trace_replays`` (``MegaScan(trace_replays=True)``: traced steps replayed as CUDA graphs at DP/TP
     too, where the strategy graphs the step: not at PP)."""
     from lightning_megatron.scan import LinkDelayInjector, MegaScan
-    from lightning_megatron.scan.faults import HostStall, SlowDataset
+    from lightning_megatron.scan.evaluation.faults import HostStall, SlowDataset
 
     scan = MegaScan(
         trace_dir,
@@ -187,7 +187,7 @@ def _faulted_rank(case: str, run: int, devices: int) -> int:
 def _competitor(case: str, rank: int, onset_step: int, competitors: dict) -> Any:
     """The case's competing processes for ``rank``: one ``CompetingProcess`` per case and rank, kept alive between
     its fits (made here on first use)."""
-    from lightning_megatron.scan.faults import CompetingProcess
+    from lightning_megatron.scan.evaluation.faults import CompetingProcess
 
     if (case, rank) not in competitors:
         competitors[(case, rank)] = CompetingProcess(

@@ -4,8 +4,8 @@
     python benchmarks/megascan_onsets.py --seeds 5 --onsets 8 17 --out /tmp/onsets.json     # a quick look
 
 One process, ``--steps`` steps (34 by default, as ``megascan_eval.py --layouts single``), traced by the synthetic
-generator (``scan/synthetic.py``: GPU busy time and queue fields, 2 % jitter per span). Its compute slows 1.8x
-from an onset step on, in every step (continuous) or in a random 60 % / 50 % of them (bursts); ``detect`` runs on
+generator (``scan/evaluation/synthetic.py``: GPU busy time and queue fields, 2 % jitter per span). Its compute slows
+1.8x from an onset step on, in every step (continuous) or in a random 60 % / 50 % of them (bursts); ``detect`` runs on
 the traces as at fit end. A run counts as found when the only suspect is the rank with kind ``compute``. Clean runs
 (the same seeds, no fault) count the false alarms. Every case runs the same seeds, so two versions of the rules
 are compared on identical traces.
@@ -35,8 +35,8 @@ def detected(
     out_dir: Path, *, seed: int, steps: int, onset: int | None, fraction: float, jitter: float
 ) -> list[tuple[int, str]]:
     """The (rank, kind) suspects of one synthetic one-process run; ``onset`` None: a clean run."""
-    from lightning_megatron.scan.detect import detect
-    from lightning_megatron.scan.synthetic import generate_traces
+    from lightning_megatron.scan.analysis.detect import detect
+    from lightning_megatron.scan.evaluation.synthetic import generate_traces
 
     fault = {} if onset is None else dict(slow_ranks={0: 1.8}, slow_from_step=onset, slow_step_fraction=fraction)
     shape = dict(dp=1, pp=1, tp=1, steps=steps, gpu_busy=True, gpu_queue=True, seed=seed, jitter=jitter)

@@ -11,7 +11,7 @@
   ``compat/cupti_teardown.py``), and the tracer alone (``gpu_busy=False``), ``--pairs`` times, in the same
   processes; the ratios of median step times are the overheads. These fits run eagerly (``cuda_graphs=False``),
   the layout MegaScan's rules were built on. On one GPU two more fits per pair keep the default (the step
-  replayed as a CUDA graph), untraced and traced (the graph's own events, ``scan.recorder``): their ratio is
+  replayed as a CUDA graph), untraced and traced (the graph's own events, ``scan.tracing.recorder``): their ratio is
   ``overhead_default_graphs``, and ``traced_over_default_graphs`` what tracing cost when traced steps ran
   eagerly. ``--cases`` keeps only some of them, e.g. ``--cases plain_default_graphs traced_default_graphs``.
 * Overhead at the defaults (any GPU count): ``plain_defaults`` (the strategy's defaults, no callback) against
@@ -98,8 +98,8 @@ def fit_once(
     strategy_options: Optional[dict[str, Any]] = None,
 ) -> list[float]:
     """One Trainer.fit; per-step seconds (after a synchronize at both ends of each step). ``wrap_dataset``:
-    applied to the training set (``scan.faults.SlowDataset``). ``wall``: the seconds from one step's end to the
-    next's instead, the fetch of the batch included (what a slow data loader lengthens)."""
+    applied to the training set (``scan.evaluation.faults.SlowDataset``). ``wall``: the seconds from one step's end to
+    the next's instead, the fetch of the batch included (what a slow data loader lengthens)."""
     import lightning.pytorch as pl
     import torch
 
@@ -281,7 +281,7 @@ def _detach_cupti() -> None:
     """One empty busy-time session with ``TEARDOWN_CUPTI=1``: Kineto detaches CUPTI when it stops."""
     import torch
 
-    from lightning_megatron.scan.busy import KernelActivity
+    from lightning_megatron.scan.tracing.busy import KernelActivity
 
     os.environ["TEARDOWN_CUPTI"] = "1"
     activity = KernelActivity()

@@ -100,7 +100,7 @@ def rescore(result: dict[str, Any], traces: Path, as_replayed_between: bool = Fa
     (``args.in_place_of_replay``), as in a job whose untraced steps replay; the evaluation's fits trace every
     step, so nothing replayed in them, and their step times are the eager job's: this asks what the rules would
     say of those same traced steps in the default job, not how that job was slowed."""
-    from lightning_megatron.scan.detect import detect
+    from lightning_megatron.scan.analysis.detect import detect
 
     out = {**result, "rescored_from": str(traces), "layouts": {}}
     if as_replayed_between:
@@ -125,7 +125,7 @@ def rescore(result: dict[str, Any], traces: Path, as_replayed_between: bool = Fa
 def marked_in_place_of_replays(folder: Path, into: Path) -> Path:
     """A copy of a run's rank files in ``into``, each step span marked ``in_place_of_replay``, unless the job is
     pipelined (the strategy replays no graph at PP > 1: its eager steps are the job's)."""
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
     for path in list_rank_files(folder).values():
         events = list(read_rank_file(path))

@@ -1,5 +1,5 @@
 """Fault sources this project did not build, for ``megascan_eval.py``: MegaScan's detector was designed against
-``scan.faults`` and ``scan.inject``, so an evaluation only against those proves little.
+``scan.evaluation.faults`` and ``scan.evaluation.inject``, so an evaluation only against those proves little.
 
 * ``StressNg``: `stress-ng <https://github.com/ColinIanKing/stress-ng>`_ (Debian: ``apt-get install stress-ng``),
   the stress tool kernel and hardware people use, run on the CPUs the rank's process may use (its affinity set)

@@ -1,7 +1,7 @@
 """lightning-megatron: megatron-core parallelism under PyTorch Lightning.
 
 Importing the package is cheap: it loads neither torch, Lightning nor megatron-core, so tools that only read
-MegaScan traces (``lightning_megatron.scan.detect``, the TensorBoard plugin) start in milliseconds. The public
+MegaScan traces (``lightning_megatron.scan.analysis.detect``, the TensorBoard plugin) start in milliseconds. The public
 names ``MegatronAppStrategy`` and ``MegatronPrecision`` are loaded on first access (PEP 562 ``__getattr__``).
 
 ``MegatronAppStrategy`` is registered in Lightning's strategy registry as ``"megatron"`` (so

@@ -22,7 +22,7 @@ from distributed import WorkerGroup
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.pipeline.dpp.plan import StagePlan
-from lightning_megatron.scan.inject import SlowdownInjector
+from lightning_megatron.scan.evaluation.inject import SlowdownInjector
 
 TRANSPORT = "shm"  # the default on one node; test_dpp_transports covers the others
 
@@ -245,8 +245,8 @@ def test_megascan_pairs_every_message_whatever_the_order(ranks: Any, tmp_path: P
     import gzip
     import json
 
-    from lightning_megatron.scan.aggregate import aggregate
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.aggregate import aggregate
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
     world, strategy = LAYOUTS["pp2-vpp2"]
     options = {
@@ -382,7 +382,7 @@ def test_split_weight_grads_with_virtual_stages_and_reordering(ranks: Any) -> No
 
 
 def test_megascan_traces_weight_gradients(ranks: Any, tmp_path: Path) -> None:
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
     ranks.run(2, dc.traced, str(tmp_path / "trace"), schedule="zb-h1", pipeline_model_parallel_size=2)
     for rank, path in list_rank_files(tmp_path / "trace").items():

@@ -244,8 +244,8 @@ def test_megascan_traces_both_roles(ranks: Any, tmp_path: Path, mode: str) -> No
     import gzip
     import json
 
-    from lightning_megatron.scan.aggregate import aggregate
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.aggregate import aggregate
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
     options = {"mode": mode, "transport": "shm"}
     runs = ranks.run(

@@ -73,8 +73,8 @@ def test_a_suspects_record_keeps_its_evidence_as_json(tmp_path):
     import json
     import warnings
 
-    from lightning_megatron.scan.detect import detect
-    from lightning_megatron.scan.synthetic import generate_traces
+    from lightning_megatron.scan.analysis.detect import detect
+    from lightning_megatron.scan.evaluation.synthetic import generate_traces
 
     generate_traces(tmp_path, dp=2, pp=1, tp=1, steps=10, slow_ranks={1: 1.3}, slow_host={0: 1.5}, gpu_busy=True)
     with warnings.catch_warnings():

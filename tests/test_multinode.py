@@ -19,7 +19,7 @@ import pytest
 from distributed import free_port
 from test_transport import _tx_bytes, veth_namespaces
 
-from lightning_megatron.scan.aggregate import aggregate
+from lightning_megatron.scan.analysis.aggregate import aggregate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "multinode_fit.py")

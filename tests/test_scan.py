@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from lightning_megatron import MegatronConfigError
 from lightning_megatron.scan import LinkDelayInjector, MegaScan, SlowdownInjector
-from lightning_megatron.scan.aggregate import aggregate
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
-from lightning_megatron.scan.validate import validate_trace
+from lightning_megatron.scan.analysis.aggregate import aggregate
+from lightning_megatron.scan.analysis.detect import detect
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.validate import validate_trace
 
 WORLD = 4
 # Four ranks on two shared cores: ±40% swings between peers happen by chance, so only large effects count.
@@ -78,8 +79,10 @@ def suspects(result: dict[str, Any]) -> dict[int, str]:
 def _waits_text(trace_dir: Path, report: dict[str, Any]) -> str:
     """What a failed host-wait case needs to be understood: the report, each rank's waits per step, and detection
     run again on the files as they are now (a fit-end report that differs read files not yet complete)."""
-    from lightning_megatron.scan.detect import DetectionReport, detect, read_traces
-    from lightning_megatron.scan.waits import host_waits_in_steps
+    from lightning_megatron.scan.analysis.detect import detect
+    from lightning_megatron.scan.analysis.measure import read_traces
+    from lightning_megatron.scan.analysis.report import DetectionReport
+    from lightning_megatron.scan.analysis.waits import host_waits_in_steps
 
     waits = host_waits_in_steps(read_traces(trace_dir, [], None))
     lines = [DetectionReport.from_json(report).table(), *DetectionReport.from_json(report).warnings]
@@ -113,7 +116,7 @@ def test_traces_every_rank_without_changing_training(ranks: Any, tmp_path: Path)
         assert ("optimizer", "optimizer-step") in kinds and ("host", "host-gap") in kinds
         assert ("data", "data-fetch") in kinds
         assert any(cat == "p2p" for cat, _ in kinds)
-        # CPUs have no CUDA activity: no busy time is measured or written (scan.busy)
+        # CPUs have no CUDA activity: no busy time is measured or written (scan.tracing.busy)
         assert not any("busy_us" in (e.get("args") or {}) for e in events)
         assert [e["args"]["gpu_busy"] for e in events if e["name"] == "megascan.rank"] == [False]
         forwards = [e for e in events if e.get("name") == "forward"]
@@ -195,7 +198,7 @@ def test_other_strategies_are_refused(tmp_path: Path) -> None:
 
 
 def test_granularity_is_chosen_per_job_unless_set() -> None:
-    from lightning_megatron.scan.callback import choose_granularity
+    from lightning_megatron.scan.tracing.callback import choose_granularity
 
     # (pipeline, tensor, data parallel) -> the granularity MegaScan() traces at
     assert choose_granularity(None, 2, 1, 1)[0] == "layer"  # pure PP: stages have no peers
@@ -252,6 +255,9 @@ def test_pipeline_flows_pair_every_message(ranks: Any, tmp_path: Path, world: in
                     assert {"peer", "seq", "direction", "chunk", "microbatch"} <= send.keys(), send
                 sends += len(event["args"]["sends"])
                 recvs += len(event["args"]["recvs"])
+    report = detect(tmp_path / "trace")  # and the report says what was chosen and why
+    assert report.params["granularity"] == "layer", report.params
+    assert "granularity: layer (chosen: " in report.table()
     # 2 traced steps x 8 microbatches x (stages x virtual - 1) boundaries x 2 directions
     boundaries = layout["pipeline_model_parallel_size"] * layout.get("virtual_pipeline_model_parallel_size", 1) - 1
     assert sends == recvs == 2 * 8 * boundaries * 2, (sends, recvs)
@@ -339,7 +345,7 @@ class _SlowOnOneRank(torch.utils.data.Dataset):
 def data_fault_fit(trace_dir: str, fault: str, layout: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """DP2 × PP2 (or ``layout``), rank 1 slowed between steps: its loader (``"loader"``: 5 ms per sample, 40 ms per
     batch), host work in a hook after the fetch (``"host"``: 40 ms, not data), or a stall after MegaScan's batch
-    end, before Lightning's synchronisation of the ranks (``"stall"``: 40 ms, ``scan.faults.HostStall``); or
+    end, before Lightning's synchronisation of the ranks (``"stall"``: 40 ms, ``scan.evaluation.faults.HostStall``); or
     inside the step, before its optimizer step (``"stall-in-step"``: 3 s, which keeps it above these noisy 4-rank
     runs' threshold, 60% of the job's step, while the rest of the step takes up to 2 s: at 600 ms it was 69% of an
     855 ms step here, and one loaded CI run named nothing; at 1.5 s another did, 2026-11-28, its peers waiting
@@ -359,7 +365,7 @@ def data_fault_fit(trace_dir: str, fault: str, layout: Optional[dict[str, int]] 
             if fault == "host" and trainer.global_rank == 1:
                 time.sleep(0.04)
 
-    from lightning_megatron.scan.faults import HostStall
+    from lightning_megatron.scan.evaluation.faults import HostStall
 
     scan = MegaScan(trace_dir, interval=1, window=1, detect_options=CPU_THRESHOLDS)
     data = Data(vocab_size=128, seq_length=16, global_batch_size=16, num_train_samples=256)
@@ -384,14 +390,14 @@ def test_a_stall_before_the_ranks_synchronise_is_named_host(ranks: Any, tmp_path
     """Rank 1's host blocks between steps, before Lightning's per-batch synchronisation of the ranks: every rank's
     gap ends together (the others wait the stall out at that synchronisation), so only the ``step-sync`` spans
     say who kept whom waiting. Before they were traced this was named by nothing (0 of 15 CPU runs)."""
-    from lightning_megatron.scan.detect import read_traces
+    from lightning_megatron.scan.analysis.measure import read_traces
 
     stall = ranks.run(WORLD, data_fault_fit, str(tmp_path / "stall"), "stall", timeout=300)
     assert suspects(stall[0]) == {1: "host"}, stall[0]["report"]
     traces = read_traces(tmp_path / "stall", [], None)
     syncs = {rank: [s for s in trace.spans if s["cat"] == "sync"] for rank, trace in traces.items()}
     assert all(len(spans) >= 5 and spans[0]["name"] == "step-sync" for spans in syncs.values()), syncs
-    # the training thread's waits for a CPU (``scan.sched``) ride on every step and host gap
+    # the training thread's waits for a CPU (``scan.tracing.sched``) ride on every step and host gap
     timed = [s for trace in traces.values() for s in trace.spans if s["cat"] in ("step", "host")]
     assert timed and all(s["args"]["cpu_wait_us"] >= 0 for s in timed), timed[:3]
 

@@ -1,7 +1,7 @@
-"""GPU busy time per span (``scan.busy``) and the rule that uses it (``attribution.attribute_busy``), on CPU.
+"""GPU busy time per span (``scan.tracing.busy``) and the rule that uses it (``attribution.attribute_busy``), on CPU.
 
 The GPU recorder hands a window's profiler records to ``busy_timeline`` and asks the timeline for each span; here
-the same functions get records built by hand (alignment, union, exclusions) and, through ``scan.synthetic``'s
+the same functions get records built by hand (alignment, union, exclusions) and, through ``scan.evaluation.synthetic``'s
 ``gpu_busy``, simulated kernels of whole jobs: a span stretched by idle gaps between kernels must not be named
 ``compute``, one whose kernels grew must be.
 """
@@ -13,12 +13,19 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
-from lightning_megatron.scan.attribution import attribute_busy, attribute_host
-from lightning_megatron.scan.busy import (
+from lightning_megatron.scan.analysis.attribution import attribute_busy, attribute_host
+from lightning_megatron.scan.analysis.detect import detect
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.gpu_measure import BusyTimes, busy_times
+from lightning_megatron.scan.analysis.measure import RankTrace, read_traces
+from lightning_megatron.scan.analysis.report import DetectionReport
+from lightning_megatron.scan.analysis.rules_common import DetectionContext, make_suspect
+from lightning_megatron.scan.evaluation.synthetic import generate_traces
+from lightning_megatron.scan.tracing.busy import (
     ANCHOR_NAME,
     MAX_ALIGN_ERROR_US,
     Activity,
@@ -27,12 +34,6 @@ from lightning_megatron.scan.busy import (
     busy_timeline,
     is_busy,
 )
-from lightning_megatron.scan.compute_rules import make_suspect
-from lightning_megatron.scan.detect import DetectionReport, detect
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
-from lightning_megatron.scan.gpu_measure import BusyTimes, busy_times
-from lightning_megatron.scan.measure import RankTrace, read_traces
-from lightning_megatron.scan.synthetic import generate_traces
 
 
 def window(kernels: list[tuple[str, float, float]], length_us: float, offset_ns: int, drift: float) -> list[Activity]:
@@ -139,7 +140,7 @@ def test_cpu_recorder_writes_no_busy_time() -> None:
     """On CPUs there is no CUDA activity: the recorder holds no session, and spans carry no ``busy_us``."""
     import torch
 
-    from lightning_megatron.scan.recorder import SpanRecorder
+    from lightning_megatron.scan.tracing.recorder import SpanRecorder
 
     assert KernelActivity.available() == torch.cuda.is_available()
     recorder = SpanRecorder(0, use_cuda=False, busy=KernelActivity())
@@ -218,7 +219,7 @@ def test_gpu_recorder_writes_busy_time_through_anchors(monkeypatch: pytest.Monke
     """The recorder's GPU path, on a simulated GPU: a span of 100 µs kernels, 50 µs idle and an NCCL kernel gets
     the kernels' time; a window whose first anchor is lost gets none (and a warning), three such windows in a row
     turn busy time off; a window beside another profiler session goes without it."""
-    from lightning_megatron.scan import recorder as recorder_module
+    from lightning_megatron.scan.tracing import recorder as recorder_module
 
     gpu = FakeGpu()
     monkeypatch.setattr(recorder_module.torch.cuda, "Event", gpu.event())
@@ -366,6 +367,23 @@ def test_a_span_stretched_by_idle_gaps_is_not_compute(tmp_path: Path) -> None:
     assert any("idle GPU time that neither explains" in note for note in notes)
 
 
+def _context(
+    traces: dict[int, RankTrace],
+    suspects: list[Any],
+    notes: list[str],
+    min_slowdown: float = 0.08,
+    busy: Optional[dict[int, BusyTimes]] = None,
+    pacing: Optional[dict[int, float]] = None,
+) -> DetectionContext:
+    """What the attribution reads: these suspects, and busy times or host pacing given here, not measured."""
+    context = DetectionContext(traces, {}, min_slowdown=min_slowdown, notes=notes, suspects=suspects)
+    if busy is not None:
+        context.busy = busy
+    if pacing is not None:
+        context.pacing = pacing
+    return context
+
+
 @pytest.mark.parametrize(("host_queueing", "kind"), [(0.09, None), (2.9, "host"), (1.6, "host")])
 def test_a_host_is_named_only_where_its_queueing_explains_the_idle_time(host_queueing: float, kind: str) -> None:
     """Spans 290% longer than the peer's over the same kernels (idle GPU time) and a host that queued the work
@@ -384,7 +402,7 @@ def test_a_host_is_named_only_where_its_queueing_explains_the_idle_time(host_que
     }
     suspect = make_suspect(traces[1], "compute", 2.9, {"rule": "per-step net compute, signed-rank test over steps"})
     notes: list[str] = []
-    kept = attribute_busy([suspect], traces, busy, min_slowdown=0.08, notes=notes)
+    kept = attribute_busy(_context(traces, [suspect], notes, busy=busy))
     assert [s.kind for s in kept] == ([kind] if kind else []), notes
     if kind is None:
         assert any("+290% in the busy windows" in note and "queueing +9%" in note for note in notes), notes
@@ -413,7 +431,7 @@ def test_kernels_longer_in_one_sampled_step_keep_a_bursty_gpu_compute(window_bus
     }
     suspect = make_suspect(traces[1], "compute", 0.25, {"rule": "per-step net compute, signed-rank test over steps"})
     notes: list[str] = []
-    kept = attribute_busy([suspect], traces, busy, min_slowdown=0.1, notes=notes)
+    kept = attribute_busy(_context(traces, [suspect], notes, busy=busy, min_slowdown=0.1))
     assert [s.kind for s in kept] == [kind], notes
     evidence = kept[0].evidence
     assert evidence["busy_excess"] < 0.1  # the ops' medians: the rule before named it host
@@ -442,7 +460,7 @@ def test_a_host_paced_rank_is_named_host_only_where_its_queueing_explains_the_sl
     traces = {rank: trace(rank) for rank in (0, 1)}
     suspect = make_suspect(traces[1], "compute", 1.13, {"rule": "per-step net compute, signed-rank test over steps"})
     notes: list[str] = []
-    kept = attribute_host([suspect], {0: 0.26, 1: 0.78}, traces, min_slowdown=0.08, notes=notes)
+    kept = attribute_host(_context(traces, [suspect], notes, pacing={0: 0.26, 1: 0.78}))
     assert [s.kind for s in kept] == ([kind] if kind else []), notes
     if kind is None:
         assert any(f"only {100 * host_queueing:+.0f}% slower" in note and "+113%" in note for note in notes), notes
@@ -541,11 +559,12 @@ def test_launch_pace_of_steps_the_job_replays_is_not_named(in_place_of_replays: 
     }
     rule = {"rule": "per-step net compute, signed-rank test over steps"}
     notes: list[str] = []
-    kept = attribute_busy([make_suspect(traces[1], "compute", 0.2, dict(rule))], traces, busy, 0.08, notes)
+    kept = attribute_busy(_context(traces, [make_suspect(traces[1], "compute", 0.2, dict(rule))], notes, busy=busy))
     for rank in (0, 1):  # queue fields only (no busy time): 20% slower queueing of the same ops on rank 1
         enqueue = 100.0 * (1.2 if rank else 1.0)
         traces[rank].spans = marked[rank] + [{"cat": "compute", "name": "fwd", "args": {"enqueue_us": enqueue}}] * 8
-    kept += attribute_host([make_suspect(traces[1], "compute", 0.2, dict(rule))], {0: 0.2, 1: 0.9}, traces, 0.08, notes)
+    suspects = [make_suspect(traces[1], "compute", 0.2, dict(rule))]
+    kept += attribute_host(_context(traces, suspects, notes, pacing={0: 0.2, 1: 0.9}))
     assert [(s.rank, s.kind) for s in kept] == ([] if in_place_of_replays else [(1, "host"), (1, "host")]), notes
     dropped = [note for note in notes if "replays those steps as a CUDA graph" in note]
     assert len(dropped) == (2 if in_place_of_replays else 0), notes

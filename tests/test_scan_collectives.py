@@ -14,7 +14,7 @@ from typing import Any
 import cases
 
 from lightning_megatron.scan import MegaScan
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
 
 def _fit(trace_dir: str) -> None:

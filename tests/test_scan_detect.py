@@ -1,6 +1,6 @@
-"""Slow-rank detection (``lightning_megatron.scan.detect``) on synthetic MegaScan traces with known ground truth.
+"""Slow-rank detection (``lightning_megatron.scan.analysis.detect``) on synthetic MegaScan traces with known ground truth.
 
-``scan.synthetic`` simulates a dp × pp × tp job (1F1B, TP all-reduces inside forward/backward, p2p between
+``scan.evaluation.synthetic`` simulates a dp × pp × tp job (1F1B, TP all-reduces inside forward/backward, p2p between
 stages, DP grad sync, data waits) and says which rank, link or loader it slowed; detection must name exactly
 those, with the right kind and about the right slowdown, and nothing in a clean run, whatever the clocks.
 """
@@ -22,19 +22,12 @@ from typing import Any
 
 import pytest
 
-from lightning_megatron.scan import detect as detect_module
-from lightning_megatron.scan.detect import (
-    DetectionReport,
-    Suspect,
-    detect,
-    log_to,
-    lower_half_bias,
-    lower_half_median,
-    mad_sigma,
-    register_cli,
-)
-from lightning_megatron.scan.format import list_rank_files
-from lightning_megatron.scan.synthetic import generate_traces, rank_of
+from lightning_megatron.scan.analysis import detect as detect_module
+from lightning_megatron.scan.analysis.compare import lower_half_bias, lower_half_median, mad_sigma
+from lightning_megatron.scan.analysis.detect import detect, register_cli
+from lightning_megatron.scan.analysis.format import list_rank_files
+from lightning_megatron.scan.analysis.report import DetectionReport, Suspect, log_to
+from lightning_megatron.scan.evaluation.synthetic import generate_traces, rank_of
 
 
 def run(tmp_path: Path, name: str = "trace", **kwargs: Any) -> tuple[DetectionReport, dict[str, Any]]:
@@ -340,25 +333,31 @@ def test_robust_statistics() -> None:
 
 
 def test_module_boundaries() -> None:
-    """Detection imports only ``format`` within ``scan`` (the callback imports it, not the other way): the rules
-    (``detect``) use measuring, comparing and reporting; measuring reads ``format`` and fills ``report``'s
-    per-rank summaries (``waits`` measures on what it read); comparing and reporting import nothing."""
+    """Detection imports only ``scan.analysis`` (the callback imports it, not the other way): ``detect`` measures,
+    builds the context and runs the declared pipeline (``rules``); the rules import their shared helpers
+    (``rules_common``), measuring, comparing and reporting, and not each other (the host-wait rules use the
+    cross-stage wait comparison); measuring reads ``format`` and fills ``report``'s per-rank summaries;
+    comparing and reporting import nothing."""
+    rule = {"compare", "report", "rules_common"}
     expected = {
-        "detect": {
+        "detect": {"measure", "report", "rules", "rules_common"},
+        "rules": {
             "attribution",
-            "compare",
             "compute_rules",
             "cpu_rules",
-            "gpu_measure",
-            "measure",
+            "link_rules",
             "report",
+            "rules_common",
             "stage_rules",
-            "waits",
+            "wait_rules",
         },
-        "attribution": {"compare", "compute_rules", "gpu_measure", "measure", "report"},
-        "cpu_rules": {"compare", "compute_rules", "measure", "report", "waits"},
-        "compute_rules": {"compare", "measure", "report"},
-        "stage_rules": {"compare", "compute_rules", "measure", "report", "waits"},
+        "rules_common": {"compare", "gpu_measure", "measure", "report", "waits"},
+        "attribution": rule | {"gpu_measure", "measure"},
+        "compute_rules": rule,
+        "cpu_rules": rule,
+        "link_rules": rule | {"measure"},
+        "stage_rules": rule | {"measure", "waits"},
+        "wait_rules": rule | {"measure", "stage_rules", "waits"},
         "measure": {"format", "report"},
         "waits": {"measure"},
         "gpu_measure": {"measure"},
@@ -366,14 +365,14 @@ def test_module_boundaries() -> None:
         "report": set(),
     }
     for name, allowed in expected.items():
-        source = Path(importlib.import_module(f"lightning_megatron.scan.{name}").__file__).read_text()
+        source = Path(importlib.import_module(f"lightning_megatron.scan.analysis.{name}").__file__).read_text()
         imports = {
             line.split()[1]
             for line in source.splitlines()
             if line.startswith(("from lightning_megatron", "import lightning_megatron"))
         }
-        assert imports == {f"lightning_megatron.scan.{module}" for module in allowed}, name
-    assert set(detect_module.__all__) >= {"detect", "DetectionReport", "Suspect", "register_cli", "log_to"}
+        assert imports == {f"lightning_megatron.scan.analysis.{module}" for module in allowed}, name
+    assert set(detect_module.__all__) == {"detect", "register_cli"}  # the report's names live in scan.analysis.report
 
 
 def test_gzip_trace_is_read(tmp_path: Path) -> None:
@@ -388,7 +387,7 @@ def test_gzip_trace_is_read(tmp_path: Path) -> None:
 
 
 def test_signed_rank_test() -> None:
-    from lightning_megatron.scan.compare import signed_rank_p, trimmed_mean
+    from lightning_megatron.scan.analysis.compare import signed_rank_p, trimmed_mean
 
     assert signed_rank_p([0.1 * (i + 1) for i in range(10)]) == pytest.approx(1 / 1024)  # all 10 above: exact
     assert signed_rank_p([-0.1 * (i + 1) for i in range(10)]) == pytest.approx(1.0)
@@ -405,7 +404,7 @@ def test_signed_rank_test() -> None:
 def test_tests_against_a_rank_own_history() -> None:
     """The two tests of ``later_steps_change``: the rank sum finds a shift of every later step; the exceedance
     test finds some later steps far above every earlier one (bursts), exactly calibrated under the null."""
-    from lightning_megatron.scan.compare import exceedance_p, later_steps_change
+    from lightning_megatron.scan.analysis.compare import exceedance_p, later_steps_change
 
     assert exceedance_p([5.0, 6.0, 0.5], [1.0, 2.0]) == pytest.approx(math.comb(3, 2) / math.comb(5, 2))
     assert exceedance_p([0.5], [1.0]) == 1.0 and exceedance_p([], [1.0]) == 1.0
@@ -420,7 +419,7 @@ def test_tests_against_a_rank_own_history() -> None:
 
 
 def _smallest_p(values: list[float], cut: int) -> float:
-    from lightning_megatron.scan.compare import exceedance_p, rank_sum_p
+    from lightning_megatron.scan.analysis.compare import exceedance_p, rank_sum_p
 
     return min(rank_sum_p(values[cut:], values[:cut]), exceedance_p(values[cut:], values[:cut]))
 
@@ -429,7 +428,7 @@ def test_the_family_wise_p_value_counts_the_permutations_that_are_as_extreme() -
     """The fast permutation test (ranks, thresholds computed once per split) against the plain one that runs both
     tests at every split of every permuted order: the same permutations (one seed), the same count, ties
     included; and under the null hypothesis it rejects at most at its level."""
-    from lightning_megatron.scan import compare
+    from lightning_megatron.scan.analysis import compare
 
     rng = random.Random(5)
     for n, onset in ((20, 12), (34, 9), (34, 27)):
@@ -456,7 +455,7 @@ def test_the_family_wise_p_value_counts_the_permutations_that_are_as_extreme() -
 def test_a_change_early_or_late_in_the_run_is_found() -> None:
     """Fixed splits saw a change near them only: one that begins a quarter of the way or at three quarters is
     found now, wherever it begins between the outermost splits, with its change point."""
-    from lightning_megatron.scan.compare import later_steps_change
+    from lightning_megatron.scan.analysis.compare import later_steps_change
 
     for onset in (8, 26):
         rng = random.Random(onset)
@@ -493,7 +492,7 @@ def test_large_bursts_that_spare_some_steps_are_found_in_short_fits(tmp_path: Pa
     on one of 2x H200 cost): the per-step rule's signed-rank test at 0.01 needs 7 of the 8 analysed steps slower
     and missed 3 of 10 such GPU runs; an excess of twice ``min_slowdown`` is accepted at 0.05. Clean fits stay
     quiet."""
-    import lightning_megatron.scan.compute_rules as rules
+    import lightning_megatron.scan.analysis.compute_rules as rules
 
     def found(prefix: str) -> int:
         hits = 0

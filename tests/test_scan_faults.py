@@ -1,4 +1,4 @@
-"""The outside faults of ``scan.faults`` (what ``benchmarks/megascan_eval.py`` evaluates detection against) do
+"""The outside faults of ``scan.evaluation.faults`` (what ``benchmarks/megascan_eval.py`` evaluates detection against) do
 what they say on the ranks they name, and leave nothing running: competing processes stop at fit end and on
 an exception."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_megatron import MegatronConfigError
-from lightning_megatron.scan.faults import CompetingProcess, HostStall, SlowDataset
+from lightning_megatron.scan.evaluation.faults import CompetingProcess, HostStall, SlowDataset
 
 CPU_TRAINER = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), global_step=0)
 

@@ -25,8 +25,8 @@ from distributed import free_port
 
 from lightning_megatron import MegatronConfigError
 from lightning_megatron.scan import MegaScan
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
-from lightning_megatron.scan.report import DetectionReport
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.report import DetectionReport
 
 WORKERS = ["rank00000-dp0-pp0-tp0", "rank00001-dp0-pp1-tp0"]
 

@@ -5,7 +5,7 @@
   the host queued them), so its spans are not host-paced. These fits run eagerly (``cuda_graphs=False``): a
   replayed CUDA graph has no host enqueue per span, and the host's sleeps below would not happen in it
   (``tests/test_scan_graphs_gpu.py`` covers traced graphs).
-* GPU busy time (``scan.busy``): three fits of a GPU-bound model on one GPU, clean, with another process
+* GPU busy time (``scan.tracing.busy``): three fits of a GPU-bound model on one GPU, clean, with another process
   multiplying matrices on the same GPU (``CompetingProcess``), and with the host sleeping between the transformer
   layers' launches. Both faults stretch the spans (the sleeps the forward ones); only the shared GPU's kernels
   take longer. Busy time
@@ -38,9 +38,9 @@ def test_gpu_spans_carry_enqueue_and_queue_times(tmp_path: Path) -> None:
     from lightning_megatron.data import SyntheticTokenDataModule
     from lightning_megatron.models import GPTModule
     from lightning_megatron.scan import MegaScan
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
-    from lightning_megatron.scan.gpu_measure import host_pacing
-    from lightning_megatron.scan.measure import read_traces
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.gpu_measure import host_pacing
+    from lightning_megatron.scan.analysis.measure import read_traces
 
     shape = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=32000)
     # Steps 3-7 traced: in the first steps the host is slow for its own reasons (allocator growth, kernel
@@ -98,7 +98,7 @@ def _fit(trace_dir: Path, callbacks: list[Any], gpu_busy: bool = True) -> None:
 
 
 def _spans(trace_dir: Path) -> list[dict[str, Any]]:
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
     (path,) = list_rank_files(trace_dir).values()
     return [e for e in read_rank_file(path) if e.get("ph") == "X" and (e.get("args") or {}).get("step", 0) >= 2]
@@ -149,7 +149,7 @@ class HostSleeps(pl.Callback):
 def _as_peers(clean: Path, faulty: Path, out: Path) -> Path:
     """The clean fit's rank file as rank 0 and the faulty one's as rank 1 of a DP2 job (the same steps, the same
     work; no collective between them, so only the compute rules can speak)."""
-    from lightning_megatron.scan.format import list_rank_files, rank_file_name
+    from lightning_megatron.scan.analysis.format import list_rank_files, rank_file_name
 
     out.mkdir(parents=True)
     for rank, source in ((0, clean), (1, faulty)):
@@ -170,8 +170,8 @@ def _as_peers(clean: Path, faulty: Path, out: Path) -> Path:
 
 
 def test_busy_time_tells_a_shared_gpu_from_a_sleeping_host(tmp_path: Path) -> None:
-    from lightning_megatron.scan.detect import detect
-    from lightning_megatron.scan.faults import CompetingProcess
+    from lightning_megatron.scan.analysis.detect import detect
+    from lightning_megatron.scan.evaluation.faults import CompetingProcess
 
     _fit(tmp_path / "clean", [])
     _fit(tmp_path / "no-busy", [], gpu_busy=False)

@@ -1,6 +1,6 @@
 """MegaScan on steps replayed as CUDA graphs (one GPU, the default strategy; skipped without CUDA).
 
-The graph's own events time a replayed step (``scan.recorder``), so tracing no longer costs the graph:
+The graph's own events time a replayed step (``scan.tracing.recorder``), so tracing no longer costs the graph:
 
 * A traced fit keeps its graph (one capture, every later step replayed, no eager step asked for) and trains
   as the untraced one: losses equal within cuDNN attention's run-to-run noise.
@@ -101,7 +101,7 @@ def _fit(
 
 
 def _steps(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
     (path,) = list_rank_files(trace_dir).values()
     out: dict[int, list[dict[str, Any]]] = {}
@@ -227,7 +227,7 @@ def test_a_listener_that_is_not_graph_safe_keeps_steps_eager(tmp_path: Path) -> 
 def test_steps_traced_eagerly_in_place_of_replays_are_marked(tmp_path: Path) -> None:
     """``trace_replays=False`` in a graphed fit: the traced steps (1, 3, 5, 7) run eagerly, the others warm up
     (0, 2), capture (4) and replay (4, 6); the traced steps after the capture ran in place of a replay and say so
-    (``args.in_place_of_replay``, read by ``scan.attribution``), the ones before it do not."""
+    (``args.in_place_of_replay``, read by ``scan.analysis.attribution``), the ones before it do not."""
     out = _fit(tmp_path / "trace", scan=dict(interval=2, window=1, trace_replays=False))
     assert out["graph"] == (1, 2, 4), out["graph"]
     steps = _steps(tmp_path / "trace")
@@ -398,7 +398,7 @@ _IN_THE_GRAPH = ("compute", "compute.layer", "grad_sync", "collective")
 
 
 def _rank_steps(trace_dir: Path) -> dict[int, dict[int, list[dict[str, Any]]]]:
-    from lightning_megatron.scan.format import list_rank_files, read_rank_file
+    from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
     out: dict[int, dict[int, list[dict[str, Any]]]] = {}
     for rank, path in list_rank_files(trace_dir).items():

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from lightning_megatron.scan.aggregate import aggregate, register_cli
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
-from lightning_megatron.scan.synthetic import coords_of, generate_traces, rank_of
-from lightning_megatron.scan.synthetic import main as synthetic_main
-from lightning_megatron.scan.validate import validate_trace
+from lightning_megatron.scan.analysis.aggregate import aggregate, register_cli
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.validate import validate_trace
+from lightning_megatron.scan.evaluation.synthetic import coords_of, generate_traces, rank_of
+from lightning_megatron.scan.evaluation.synthetic import main as synthetic_main
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -369,7 +369,7 @@ def test_only_collectives_whose_members_leave_together_align_clocks() -> None:
     """Measured on 4 H200s: a 4-byte broadcast's root leaves 16 ms before its receiver arrives, and megatron-core's
     bucketed gradient all-reduce (1.9 GB in a 3 µs span: queued inside ``_coalescing_manager``) ends at the
     launch. Aligning clocks on those ends put 9 ms of false skew into the merged trace."""
-    from lightning_megatron.scan.aggregate import _ends_together
+    from lightning_megatron.scan.analysis.aggregate import _ends_together
 
     def op(name: str, nbytes: int, dur: float, **args: object) -> dict:
         return {"name": name, "ph": "X", "dur": dur, "args": {"bytes": nbytes, **args}}
@@ -384,8 +384,8 @@ def test_only_collectives_whose_members_leave_together_align_clocks() -> None:
 def test_plot_draws_a_step_of_a_trace_directory(tmp_path: Path) -> None:
     from matplotlib.image import imread
 
-    from lightning_megatron.scan.plot import plot_timeline
-    from lightning_megatron.scan.synthetic import generate_traces
+    from lightning_megatron.scan.analysis.plot import plot_timeline
+    from lightning_megatron.scan.evaluation.synthetic import generate_traces
 
     generate_traces(tmp_path / "trace", dp=2, pp=2, tp=1, steps=3, slow_ranks={3: 1.5})
     out = plot_timeline(tmp_path / "trace", tmp_path / "timeline.png", step=1, steps=2)

@@ -11,7 +11,7 @@
   baseline; with three fixed splits the rule found none of the bursty fits and two of five slow loaders.
 * ``tests/data/megascan_h100_single_host.tar.gz``: fifteen one-process fits on one H100 (``medium`` and
   ``llama``, 34 steps, CUDA graphs, 2026-11-24, ``--layouts single``), the faults beginning at step 18: the
-  job's own host blocking for a quarter of a step (``scan.faults.HostStall``) between steps, inside the traced
+  job's own host blocking for a quarter of a step (``scan.evaluation.faults.HostStall``) between steps, inside the traced
   step after the GPU finished, and before the optimizer step behind queued GPU work (which hid it); the same
   stall before the optimizer step at 125% of a step, longer than the queued work (no synchronisation before
   it); and another process copying buffers on the GPU. Before ``measure.host_waits_in_steps`` the stalls inside
@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from lightning_megatron.scan.detect import detect
+from lightning_megatron.scan.analysis.detect import detect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from megascan_score import marked_in_place_of_replays  # noqa: E402
@@ -61,51 +62,32 @@ from megascan_score import marked_in_place_of_replays  # noqa: E402
 DATA = Path(__file__).parent / "data"
 
 
-def _extracted(tmp_path_factory: pytest.TempPathFactory, archive_name: str, folder: str) -> Path:
-    root = tmp_path_factory.mktemp("recorded")
-    with tarfile.open(DATA / archive_name) as archive:
-        archive.extractall(root, filter="data")
-    return root / folder
+# fixture name → (archive in tests/data, its folder): each a module-scoped fixture with the folder extracted
+ARCHIVES = {
+    "recorded": ("megascan_h200_pp2.tar.gz", "pp2"),
+    "host_faults": ("megascan_h100_single_host.tar.gz", "host"),
+    "cpuset": ("megascan_h100_single_cpuset.tar.gz", "cpuset"),
+    "one_gpu": ("megascan_h100_single_early.tar.gz", "single"),
+    "cpu_pp2": ("megascan_cpu_pp2.tar.gz", "pp2"),
+    "cpu_waits": ("megascan_cpu_waits.tar.gz", ""),
+    "tp2sp": ("megascan_h200_tp2sp.tar.xz", "tp2sp"),
+    "dp2_eager": ("megascan_h200_dp2_eager.tar.xz", "dp2"),
+}
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_h200_pp2.tar.gz", "pp2")
+def _archive_fixture(archive_name: str, folder: str) -> Callable[[pytest.TempPathFactory], Path]:
+    @pytest.fixture(scope="module")
+    def extracted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        root = tmp_path_factory.mktemp("recorded")
+        with tarfile.open(DATA / archive_name) as archive:
+            archive.extractall(root, filter="data")
+        return root / folder
+
+    return extracted
 
 
-@pytest.fixture(scope="module")
-def host_faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_h100_single_host.tar.gz", "host")
-
-
-@pytest.fixture(scope="module")
-def cpuset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_h100_single_cpuset.tar.gz", "cpuset")
-
-
-@pytest.fixture(scope="module")
-def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_h100_single_early.tar.gz", "single")
-
-
-@pytest.fixture(scope="module")
-def cpu_pp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_cpu_pp2.tar.gz", "pp2")
-
-
-@pytest.fixture(scope="module")
-def cpu_waits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_cpu_waits.tar.gz", "")
-
-
-@pytest.fixture(scope="module")
-def tp2sp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_h200_tp2sp.tar.xz", "tp2sp")
-
-
-@pytest.fixture(scope="module")
-def dp2_eager(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _extracted(tmp_path_factory, "megascan_h200_dp2_eager.tar.xz", "dp2")
+for _name, (_archive_name, _folder) in ARCHIVES.items():
+    globals()[_name] = _archive_fixture(_archive_name, _folder)
 
 
 def named(report) -> list[tuple[int, str]]:

@@ -1,4 +1,4 @@
-"""Waits for a CPU (``scan.sched``, ``scan.cpu_rules``): the kernel's run-queue delay of the training thread, and the
+"""Waits for a CPU (``scan.tracing.sched``, ``scan.analysis.cpu_rules``): the kernel's run-queue delay of the training thread, and the
 rule that names a rank ``host`` from it. The rule on recorded fits is in ``tests/test_scan_recorded.py``."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from lightning_megatron.scan import sched
-from lightning_megatron.scan.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import DetectionReport, RankSummary, Suspect
-from lightning_megatron.scan.waits import DataWaits
+from lightning_megatron.scan.analysis.cpu_rules import cpu_wait_history_suspects, cpu_wait_suspects, merge_cpu_waits
+from lightning_megatron.scan.analysis.measure import RankTrace
+from lightning_megatron.scan.analysis.report import DetectionReport, RankSummary, Suspect
+from lightning_megatron.scan.analysis.rules_common import DetectionContext
+from lightning_megatron.scan.analysis.waits import DataWaits
+from lightning_megatron.scan.tracing import sched
 
 linux_schedstat = pytest.mark.skipif(sched.RunDelay().read() is None, reason="no /proc/thread-self/schedstat")
 
@@ -77,6 +78,13 @@ def _waits(per_rank: dict[int, list[float]]) -> DataWaits:
     )
 
 
+def _context(traces: dict[int, RankTrace], per_rank: dict[int, RankSummary], waits: DataWaits) -> DetectionContext:
+    """What the CPU-wait rules read: these waits, the job's median step of 40 ms (``_job``), ``min_slowdown`` 8%."""
+    context = DetectionContext(traces, per_rank, min_slowdown=0.08)
+    context.cpu_waits = waits  # measured from these numbers, not from trace files
+    return context
+
+
 def _job(ranks: int) -> tuple[dict[int, RankTrace], dict[int, RankSummary]]:
     traces = {r: RankTrace(rank=r, dp=r) for r in range(ranks)}
     per_rank = {r: RankSummary(rank=r, dp=r, pp=0, tp=0, host="h", steps=12, step_ms=40.0) for r in range(ranks)}
@@ -90,13 +98,13 @@ def test_a_rank_stopped_in_some_steps_by_a_cpu_limit_is_named_host() -> None:
     noise = [30.0, 80.0, 10.0, 55.0, 20.0, 40.0, 70.0, 15.0, 60.0, 25.0, 45.0, 35.0]
     stopped = [20_000.0 if step % 5 in (0, 2) else noise[step] for step in range(12)]
     waits = _waits({0: noise, 1: noise[::-1], 2: stopped, 3: noise[3:] + noise[:3]})
-    (suspect,) = cpu_wait_suspects(traces, per_rank, waits, median_step_us=40_000.0, min_slowdown=0.08)
+    (suspect,) = cpu_wait_suspects(_context(traces, per_rank, waits))
     assert (suspect.rank, suspect.kind) == (2, "host") and 0.15 < suspect.slowdown < 0.25, suspect
     assert suspect.evidence["hit_steps_fraction"] == pytest.approx(5 / 12, abs=0.01)
     table = DetectionReport(trace_dir="t", suspects=[suspect], per_rank=per_rank).table()
     assert "training thread waited for a CPU 8.36 ms per step" in table and "42% of 12 steps hit" in table, table
     calm = _waits({0: noise, 1: noise[::-1], 2: [x + 500.0 for x in noise], 3: noise})  # 0.5 ms: under the bar
-    assert cpu_wait_suspects(traces, per_rank, calm, median_step_us=40_000.0, min_slowdown=0.08) == []
+    assert cpu_wait_suspects(_context(traces, per_rank, calm)) == []
 
 
 def test_one_process_that_loses_its_cpu_during_the_run_is_named_against_its_own_steps() -> None:
@@ -105,20 +113,20 @@ def test_one_process_that_loses_its_cpu_during_the_run_is_named_against_its_own_
     traces, per_rank = _job(1)
     clean = [30.0 + 7.0 * (step % 5) for step in range(32)]
     limited = [x + (20_000.0 if step >= 16 and step % 5 in (0, 1, 3) else 0.0) for step, x in enumerate(clean)]
-    (suspect,) = cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [], 40_000.0, 0.08)
+    (suspect,) = cpu_wait_history_suspects(_context(traces, per_rank, _waits({0: limited})), [])
     assert (suspect.rank, suspect.kind) == (0, "host") and "waits for a CPU" in suspect.evidence["rule"], suspect
     assert suspect.evidence["later_steps"][0] in range(14, 19), suspect.evidence
-    assert cpu_wait_history_suspects(traces, per_rank, _waits({0: clean}), [], 40_000.0, 0.08) == []
+    assert cpu_wait_history_suspects(_context(traces, per_rank, _waits({0: clean})), []) == []
     # a rank already named host by another rule keeps one name: the one that costs more per step
     named = Suspect(rank=0, dp=0, pp=0, tp=0, host="h", kind="host", slowdown=0.03, evidence={"impact_ms": 1.2})
-    found = cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [named], 40_000.0, 0.08)
+    found = cpu_wait_history_suspects(_context(traces, per_rank, _waits({0: limited})), [named])
     (merged,) = merge_cpu_waits([named], found)
     assert "waits for a CPU" in merged.evidence["rule"] and merged.evidence["host_gap"]["impact_ms"] == 1.2, merged
     # ... and a rank named for its CPU waits against the others is not tested against itself as well
     by_peers = Suspect(
         rank=0, dp=0, pp=0, tp=0, host="h", kind="host", slowdown=0.3, evidence={"impact_ms": 9.0, "cpu_wait_ms": 9.0}
     )
-    assert cpu_wait_history_suspects(traces, per_rank, _waits({0: limited}), [by_peers], 40_000.0, 0.08) == []
+    assert cpu_wait_history_suspects(_context(traces, per_rank, _waits({0: limited})), [by_peers]) == []
 
 
 def test_one_rank_one_name_when_the_cpu_wait_explains_it() -> None:

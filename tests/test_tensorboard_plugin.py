@@ -2,7 +2,7 @@
 a real ``tensorboard`` process that lists and serves it, and the tab rendered in headless Chromium (which also
 refreshes ``docs/images/tensorboard_megascan.png`` for the README with ``LM_UPDATE_SCREENSHOTS=1``).
 
-The synthetic runs come from ``scan.synthetic`` with one slowed rank each, laid out as a Lightning logdir
+The synthetic runs come from ``scan.evaluation.synthetic`` with one slowed rank each, laid out as a Lightning logdir
 (``<run>/version_0/megascan/rank*.json``); one has the ``megascan-report.json`` MegaScan writes at fit end, the
 other not (the plugin runs detection on request).
 """
@@ -29,9 +29,9 @@ pytest.importorskip("tensorboard")
 from tensorboard.plugins import base_plugin  # noqa: E402
 from werkzeug.test import Client  # noqa: E402
 
-from lightning_megatron.scan.detect import detect  # noqa: E402
-from lightning_megatron.scan.report import REPORT_FILE  # noqa: E402
-from lightning_megatron.scan.synthetic import generate_traces  # noqa: E402
+from lightning_megatron.scan.analysis.detect import detect  # noqa: E402
+from lightning_megatron.scan.analysis.report import REPORT_FILE  # noqa: E402
+from lightning_megatron.scan.evaluation.synthetic import generate_traces  # noqa: E402
 from lightning_megatron.tensorboard.plugin import MegaScanPlugin  # noqa: E402
 
 CHROMIUM = os.environ.get("LM_CHROMIUM", "/usr/bin/chromium")

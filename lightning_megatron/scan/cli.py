@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from lightning_megatron.scan import aggregate, detect, plot
+    from lightning_megatron.scan.analysis import aggregate, detect, plot
 
     parser = argparse.ArgumentParser(prog="lightning-megatron scan", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)

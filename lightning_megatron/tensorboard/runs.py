@@ -1,7 +1,7 @@
 """What the MegaScan tab reads: the runs under a TensorBoard logdir, and what each run's traces say, as plain data.
 
 The contract: a logdir in, JSON-ready dicts out, and nothing outside the logdir ever read. A *run* is a directory
-under the logdir holding MegaScan rank files (``scan.format.RANK_FILE_PATTERN``, e.g.
+under the logdir holding MegaScan rank files (``scan.analysis.format.RANK_FILE_PATTERN``, e.g.
 ``version_0/megascan/rank00003-dp0-pp1-tp1.json.gz``), named by its path relative to the logdir (``"."`` for
 the logdir itself); its optional ``megascan-report.json`` is what MegaScan's detection wrote at fit end. Every
 method that takes a run name accepts only a name that ``runs()`` lists (``NotFound`` otherwise) and refuses
@@ -9,10 +9,10 @@ absolute paths, ``..`` and other odd names outright (``BadRequest``), so a reque
 logdir; rank files that resolve (through symbolic links) outside the logdir make their directory no run at all.
 
 * ``runs()``: the runs, with their rank count and whether they have a report;
-* ``report(run, detect)``: the saved report, or, on request, one computed by ``scan.detect`` (cached);
+* ``report(run, detect)``: the saved report, or, on request, one computed by ``scan.analysis.detect`` (cached);
 * ``heatmap(run)``: per rank and step the step time split into compute, communication/waits and the rest,
   read from the rank files on each rank's own clock (durations need no alignment);
-* ``timeline(run, step, ranks)``: one step of the clock-aligned timeline (``scan.aggregate``), spans and flows;
+* ``timeline(run, step, ranks)``: one step of the clock-aligned timeline (``scan.analysis.aggregate``), spans and flows;
 * ``merged_trace(run)``: the path of that aggregated trace (gzipped JSON), for download and Perfetto.
 
 Results are cached by the rank files' modification times and sizes: a run still being written is re-read
@@ -40,9 +40,9 @@ from collections import OrderedDict, defaultdict, deque
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_megatron.scan.format import RANK_FILE_PATTERN, THREAD_NAMES, read_rank_file
-from lightning_megatron.scan.measure import merge_intervals
-from lightning_megatron.scan.report import REPORT_FILE
+from lightning_megatron.scan.analysis.format import RANK_FILE_PATTERN, THREAD_NAMES, read_rank_file
+from lightning_megatron.scan.analysis.measure import merge_intervals
+from lightning_megatron.scan.analysis.report import REPORT_FILE
 
 __all__ = ["BadRequest", "NotFound", "RunError", "RunStore", "parse_ranks"]
 
@@ -187,7 +187,7 @@ class _Merged:
 
 
 def _merged_events(path: Path) -> Any:
-    """The events of a merged trace, one per line as ``scan.aggregate`` writes them (a line that is not an
+    """The events of a merged trace, one per line as ``scan.analysis.aggregate`` writes them (a line that is not an
     event, such as the opening ``{"traceEvents":[``, is skipped)."""
     with gzip.open(path, "rt") as stream:
         for line in stream:
@@ -316,7 +316,7 @@ class RunStore:
     def report(self, name: str, detect: bool = False) -> dict[str, Any]:
         """``{"source": "file" | "detected" | None, "report": DetectionReport dict | None, "stale": bool}``.
 
-        The saved ``megascan-report.json`` wins; without one, ``detect=True`` runs ``scan.detect`` on the rank
+        The saved ``megascan-report.json`` wins; without one, ``detect=True`` runs ``scan.analysis.detect`` on the rank
         files (cached until they change). ``stale``: rank files were written after the saved report."""
         directory = self.resolve(name)
         files = self._rank_files(directory)
@@ -339,7 +339,7 @@ class RunStore:
         with self._run_lock(name):
             cached = self._detected.get(name)
             if cached is None or cached[0] != signature:
-                from lightning_megatron.scan.detect import detect as run_detection
+                from lightning_megatron.scan.analysis.detect import detect as run_detection
 
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the report lists them
@@ -399,14 +399,14 @@ class RunStore:
         return self._cache_dir / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json.gz")
 
     def _merge(self, name: str) -> _Merged:
-        """The run aggregated onto rank 0's clock (``scan.aggregate``), redone when a rank file changed."""
+        """The run aggregated onto rank 0's clock (``scan.analysis.aggregate``), redone when a rank file changed."""
         directory = self.resolve(name)
         signature = _signature(self._rank_files(directory))
         with self._run_lock(name):
             merged = self._merged.get(name)
             if merged is not None and merged.signature == signature and merged.path.exists():
                 return merged
-            from lightning_megatron.scan.aggregate import aggregate
+            from lightning_megatron.scan.analysis.aggregate import aggregate
 
             path = self._cache_path(name)
             partial = path.with_suffix(".partial.gz")

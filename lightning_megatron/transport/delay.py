@@ -2,7 +2,7 @@
 
 To compare pipeline schedules on a slow or jittery interconnect fairly, the *receiver* must see a message late
 while the *sender's* host goes on working, as on a real wire. The sleep-after-the-span injector of
-:mod:`lightning_megatron.scan.inject` (``LinkDelayInjector``) blocks the sender's host instead, which penalises a
+:mod:`lightning_megatron.scan.evaluation.inject` (``LinkDelayInjector``) blocks the sender's host instead, which penalises a
 dynamic schedule that could have run another task meanwhile. :class:`DelayedTransport` wraps any transport:
 
 * ``isend`` returns at once with a handle; the message is handed to the inner transport after its delay by one

@@ -1,4 +1,4 @@
-// The timeline of one step in the MegaScan tab, on rank 0's clock (the run merged by scan.aggregate): a row per
+// The timeline of one step in the MegaScan tab, on rank 0's clock (the run merged by scan.analysis.aggregate): a row per
 // rank and stream (steps, compute, communication, host, layers), spans coloured by category, and the merged
 // trace's flows as arrows: pipeline send → receive, and, on request, collective last arriver → waiting member.
 

@@ -1,4 +1,4 @@
-"""What ``scan.detect`` found, and how it is shown: suspects, per-rank medians, the text table, JSON, metrics.
+"""What ``scan.analysis.detect`` found, and how it is shown: suspects, per-rank medians, the text table, JSON, metrics.
 
 The contract: plain data and its presentations, nothing else. ``Suspect`` (one slow rank, link or data loader),
 ``RankSummary`` (a rank's medians) and ``DetectionReport`` (both, with warnings and parameters) round-trip
@@ -70,7 +70,9 @@ class RankSummary:
 
 @dataclass
 class DetectionReport:
-    """What ``detect`` found: suspects ranked by severity (time lost per step), per-rank medians, warnings."""
+    """What ``detect`` found: suspects ranked by severity (time lost per step), per-rank medians, warnings, and the
+    ranks that could not be judged (``unjudged_ranks``: rank → why, e.g. a trace file cut short): missing data is
+    never "nothing abnormal"."""
 
     trace_dir: str
     suspects: list[Suspect]
@@ -78,10 +80,21 @@ class DetectionReport:
     warnings: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)
+    unjudged_ranks: dict[int, str] = field(default_factory=dict)
 
     @property
     def abnormal(self) -> bool:
         return bool(self.suspects)
+
+    @property
+    def judged_ranks(self) -> list[int]:
+        """The ranks the rules had data for."""
+        return sorted(set(self.per_rank) - set(self.unjudged_ranks))
+
+    @property
+    def judged(self) -> bool:
+        """Whether any rank could be judged (a report of none is no verdict: the CLI exits non-zero)."""
+        return bool(self.judged_ranks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +104,7 @@ class DetectionReport:
             "warnings": list(self.warnings),
             "params": dict(self.params),
             "steps": list(self.steps),
+            "unjudged_ranks": {str(rank): why for rank, why in sorted(self.unjudged_ranks.items())},
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -107,16 +121,28 @@ class DetectionReport:
             warnings=list(data.get("warnings", [])),
             params=dict(data.get("params", {})),
             steps=list(data.get("steps", [])),
+            unjudged_ranks={int(rank): why for rank, why in data.get("unjudged_ranks", {}).items()},
         )
 
     def table(self, per_rank: bool = False) -> str:
-        """A short text table of the suspects, most severe first; ``nothing abnormal`` when there are none."""
+        """The warnings (first: they qualify what follows), then the verdict: a short text table of the suspects,
+        most severe first, ``nothing abnormal`` when there are none; the ranks that could not be judged are named
+        in the verdict's line (``nothing could be judged`` where that is every rank)."""
         steps = f"{len(self.steps)} step{'s' if len(self.steps) != 1 else ''}"
-        lines: list[str] = []
-        if not self.suspects:
-            lines.append(f"nothing abnormal ({len(self.per_rank)} ranks, {steps})")
+        lines = [f"warning: {w}" for w in self.warnings]
+        ranks = f"{len(self.per_rank)} ranks"
+        unjudged = ""
+        if self.unjudged_ranks:
+            total = len(set(self.per_rank) | set(self.unjudged_ranks))
+            ranks = f"{len(self.judged_ranks)} of {total} ranks judged"
+            groups = _grouped(self.unjudged_ranks).items()
+            unjudged = "; not judged: " + "; ".join(f"{_ranks_text(group)} ({why})" for why, group in groups)
+        if not self.judged:
+            lines.append(f"nothing could be judged ({ranks}){unjudged}")
+        elif not self.suspects:
+            lines.append(f"nothing abnormal ({ranks}, {steps}){unjudged}")
         else:
-            lines.append(f"{len(self.suspects)} suspect(s) in {len(self.per_rank)} ranks, {steps}:")
+            lines.append(f"{len(self.suspects)} suspect(s) in {ranks}, {steps}{unjudged or ':'}")
             header = ("rank", "dp", "pp", "tp", "host", "kind", "slowdown", "peer", "lost/step", "evidence")
             rows = [
                 (
@@ -134,6 +160,8 @@ class DetectionReport:
                 for s in self.suspects
             ]
             lines += _format_rows(header, rows)
+        if self.params.get("granularity_reason"):  # chosen per job: say what detection could compare
+            lines.append(f"granularity: {self.params['granularity']} ({self.params['granularity_reason']})")
         if per_rank:
             header = ("rank", "dp", "pp", "tp", "host", "step ms", "compute ms", "data ms", "last at coll.")
             rows = [
@@ -151,8 +179,18 @@ class DetectionReport:
                 for r in sorted(self.per_rank.values(), key=lambda r: r.rank)
             ]
             lines += [""] + _format_rows(header, rows)
-        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _grouped(reasons: dict[int, str]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for rank, why in sorted(reasons.items()):
+        groups.setdefault(why, []).append(rank)
+    return groups
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -173,7 +211,7 @@ def _evidence_text(suspect: Suspect) -> str:
             f"{e['direction']} {suspect.rank}->{suspect.peer}: {e['median_us_per_mb']:.1f} us/MB vs "
             f"{e['baseline_us_per_mb']:.1f} us/MB on {e['link_class']} links"
         )
-    if "hit_steps_fraction" in e:  # the training thread's waits for a CPU (scan.cpu_rules)
+    if "hit_steps_fraction" in e:  # the training thread's waits for a CPU (scan.analysis.cpu_rules)
         return (
             f"training thread waited for a CPU {e['cpu_wait_ms']:.2f} ms per step vs {e['baseline_ms']:.2f} ms on "
             f"the others (runnable, not running; {100 * e['hit_steps_fraction']:.0f}% of {e['steps']} steps hit, "
@@ -199,9 +237,9 @@ def _evidence_text(suspect: Suspect) -> str:
         )
     else:
         text = e.get("rule", "")
-    if "where" in e:  # the host waits inside steps (detect._host_in_step_suspects)
+    if "where" in e:  # the host waits inside steps (wait_rules.host_in_step_suspects)
         text = f"GPU waiting for its host inside steps: {text}"
-    if "cpu_wait_ms" in e:  # merged in by scan.cpu_rules.merge_cpu_waits
+    if "cpu_wait_ms" in e:  # merged in by scan.analysis.cpu_rules.merge_cpu_waits
         text += f"; its training thread waited for a CPU {e['cpu_wait_ms']:.2f} ms per step"
     if e.get("last_arrival_fraction") is not None:
         text += (

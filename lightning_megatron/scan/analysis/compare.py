@@ -2,8 +2,8 @@
 
 The contract: given, per member (a rank, or a link), samples per op (the same work measured on every member),
 say how much slower each member is than the group's healthy level and how sure that is. Pure statistics on
-numbers: nothing here knows traces, ranks or thresholds (``scan.measure`` produces the samples, ``scan.detect``
-decides which comparisons name a suspect).
+numbers: nothing here knows traces, ranks or thresholds (``scan.analysis.measure`` produces the samples,
+``scan.analysis.detect`` decides which comparisons name a suspect).
 
 * a member's **level** for one op is the median of its samples (``levels_of``): one-off hiccups (a page fault,
   a preempted thread, the warm-up step) do not move it;

@@ -21,9 +21,9 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
   cat                     name                                   args
   ======================  =====================================  ==================================================
   ``step``                ``step 12``                            step; cpu_wait_us (the training thread's run-queue
-                                                                 delay in the step, ``scan.sched``; Linux)
+                                                                 delay in the step, ``scan.tracing.sched``; Linux)
   ``compute``             ``forward`` / ``backward``             step, microbatch, chunk; on GPUs also
-                                                                 enqueue_us, queued_us (``scan.recorder``)
+                                                                 enqueue_us, queued_us (``scan.tracing.recorder``)
   ``compute.layer``       ``layer 3 attention`` / ``... mlp``    step, layer, part, direction (forward|backward)
   ``compute.op``          module name (``layer 3 linear_fc1``)   step, layer, direction
   ``p2p``                 megatron-core's op name, e.g.          step, sends: [{peer, bytes, seq, direction}],

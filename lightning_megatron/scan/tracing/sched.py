@@ -2,7 +2,7 @@
 
 The contract: ``RunDelay().read()`` gives the calling thread's run-queue delay so far (µs), or ``None`` where the
 kernel keeps none (not Linux, ``CONFIG_SCHED_INFO`` off). The differences between two reads are what MegaScan
-writes as ``cpu_wait_us`` on step and host-gap spans; ``scan.waits.cpu_waits`` reads them back.
+writes as ``cpu_wait_us`` on step and host-gap spans; ``scan.analysis.waits.cpu_waits`` reads them back.
 
 Field 2 of ``/proc/thread-self/schedstat`` is the time the thread was runnable but not running: another process
 took the CPU it may run on (time slices), or a CPU limit stopped its process (a container's CFS bandwidth

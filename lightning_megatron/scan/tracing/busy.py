@@ -5,12 +5,12 @@ profiler's clock) and the window's length on the CUDA-event clock in; a ``BusyTi
 many µs of ``[start, end]`` (µs after the window's reference event) was the GPU busy" for every span. On GPUs
 ``KernelActivity`` collects the records with a CUDA-only ``torch.profiler`` session (Kineto/CUPTI; no CPU ops,
 shapes or stacks) that runs only during the traced windows MegaScan samples; the pure functions below do the
-rest, and ``scan.synthetic`` feeds them simulated kernels, so the CPU tests run the same matching.
+rest, and ``scan.evaluation.synthetic`` feeds them simulated kernels, so the CPU tests run the same matching.
 
 Why: a span is GPU wall time between two events. A host that sleeps between launches (CPU contention, Python)
 stretches it with gaps in which the GPU idles; a slower GPU, or one that another process time-slices *inside*
 the kernels, stretches the kernels themselves. The union of kernel intervals inside a span separates the two;
-``scan.attribution.attribute_busy`` names ``compute`` only where this busy time grew.
+``scan.analysis.attribution.attribute_busy`` names ``compute`` only where this busy time grew.
 
 What counts as busy: this process's kernels, memcpys and memsets, on any stream (overlaps counted once), except
 communication kernels (NCCL: they spin while waiting for a peer, so their length says who was late, not how fast

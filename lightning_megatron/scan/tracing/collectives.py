@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.scan.format import TID
-from lightning_megatron.scan.recorder import SpanRecorder
+from lightning_megatron.scan.analysis.format import TID
+from lightning_megatron.scan.tracing.recorder import SpanRecorder
 
 __all__ = ["CollectiveTracer"]
 

@@ -6,7 +6,7 @@ Perfetto UI and chrome://tracing are the tools for exploring a trace; this is th
 few steps that a person reads at a glance: a row per rank and stream (compute, communication, host), slices
 coloured by what they are (forward, backward, pipeline transfer, collective, gradient sync, optimizer, data),
 arrows from each pipeline send to its receive, and the step boundaries. A trace directory is merged first
-(:func:`~lightning_megatron.scan.aggregate.aggregate`, into a temporary file), so the clocks are aligned.
+(:func:`~lightning_megatron.scan.analysis.aggregate.aggregate`, into a temporary file), so the clocks are aligned.
 Needs matplotlib (``pip install lightning-megatron[plot]``).
 """
 
@@ -75,7 +75,7 @@ def plot_timeline(
 
     trace, output = Path(trace), Path(output)
     if trace.is_dir():
-        from lightning_megatron.scan.aggregate import aggregate
+        from lightning_megatron.scan.analysis.aggregate import aggregate
 
         with tempfile.TemporaryDirectory() as tmp:
             merged = Path(tmp) / "merged.json"

@@ -1,12 +1,12 @@
 """What the GPU recorder's fields say about each rank: how often its GPU waited for its host, and how much of its
-spans' time its kernels were busy; for ``scan.compute_rules``' attribution of compute suspects.
+spans' time its kernels were busy; for the attribution of compute suspects (``scan.analysis.attribution``).
 
-The contract, as ``scan.measure``'s: rank traces in, numbers out, nothing decided here.
+The contract, as ``scan.analysis.measure``'s: rank traces in, numbers out, nothing decided here.
 
 * **host pacing** (``host_pacing``): the fraction of a rank's compute spans that its GPU started as soon as the
   host queued them (``queued_us`` under 30 µs): a slow host, not a slow GPU;
 * **GPU busy time** (``busy_times``): with ``gpu_busy``, the kernel time inside the spans that net compute sums
-  (``args.busy_us``, ``scan.busy``), the host's time to queue them (``enqueue_us``) and their net lengths, per
+  (``args.busy_us``, ``scan.tracing.busy``), the host's time to queue them (``enqueue_us``) and their net lengths, per
   step (steps whose every such span has it), per op, and per layer part (GPU-paced spans only, as
   ``measure.layer_parts_per_step``): what ``attribution.attribute_busy`` compares.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from lightning_megatron.scan.measure import (
+from lightning_megatron.scan.analysis.measure import (
     STARVED_US,
     RankTrace,
     host_paced,

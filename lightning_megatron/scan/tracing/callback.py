@@ -1,5 +1,5 @@
 """``MegaScan``: trace windows of training steps on every rank, and name the slow ones at fit end (and during the
-fit, ``scan.online``).
+fit, ``scan.tracing.online``).
 
 Everything of a run lands in one directory, by default ``<trainer.log_dir>/megascan`` (beside the logger's
 files, so ``tensorboard --logdir runs/`` finds a run's metrics and its Kineto traces together): the rank files,
@@ -24,16 +24,16 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.scan.busy import KernelActivity
-from lightning_megatron.scan.clock import ClockOffset, clock_domain, measure_offset, now_us
-from lightning_megatron.scan.collectives import CollectiveTracer
-from lightning_megatron.scan.format import TID, clock_metadata, open_for_append, rank_file_name, rank_metadata
-from lightning_megatron.scan.layers import LayerTracer
-from lightning_megatron.scan.online import OnlineDetection, write_report
-from lightning_megatron.scan.profile import PROFILE_OPTIONS, StepProfiler
-from lightning_megatron.scan.recorder import Span, SpanRecorder
-from lightning_megatron.scan.report import REPORT_FILE
-from lightning_megatron.scan.sched import RunDelay
+from lightning_megatron.scan.analysis.format import TID, clock_metadata, open_for_append, rank_file_name, rank_metadata
+from lightning_megatron.scan.analysis.report import REPORT_FILE
+from lightning_megatron.scan.tracing.busy import KernelActivity
+from lightning_megatron.scan.tracing.clock import ClockOffset, clock_domain, measure_offset, now_us
+from lightning_megatron.scan.tracing.collectives import CollectiveTracer
+from lightning_megatron.scan.tracing.layers import LayerTracer
+from lightning_megatron.scan.tracing.online import OnlineDetection, write_report
+from lightning_megatron.scan.tracing.profile import PROFILE_OPTIONS, StepProfiler
+from lightning_megatron.scan.tracing.recorder import Span, SpanRecorder
+from lightning_megatron.scan.tracing.sched import RunDelay
 from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
 from lightning_megatron.strategy.microbatch import infer_seq_length
 
@@ -74,7 +74,7 @@ class MegaScan(pl.Callback, StepListener):
     """Trace ``window`` consecutive steps every ``interval`` steps, one Chrome trace file per rank.
 
     A step the strategy replays as a CUDA graph (the default on one GPU) stays a replay when traced: the spans are
-    the graph's own events, recorded at every replay (``scan.recorder``), marked ``args.graph`` and without the
+    the graph's own events, recorded at every replay (``scan.tracing.recorder``), marked ``args.graph`` and without the
     host's enqueue times (one launch queues the whole step).
 
     Args:
@@ -94,7 +94,7 @@ class MegaScan(pl.Callback, StepListener):
             metadata (``granularity``, ``granularity_reason``) and in the report's parameters.
         detect: At fit end, rank 0 reads all traces and reports slow ranks (``self.report``, the console,
             the Trainer's logger).
-        detect_options: Thresholds for ``scan.detect.detect`` (``min_slowdown``, ``min_z``, ``min_impact``).
+        detect_options: Thresholds for ``scan.analysis.detect.detect`` (``min_slowdown``, ``min_z``, ``min_impact``).
         detect_every: Also detect *during* the fit, after every this many traced windows: rank 0 analyses the
             last ``detect_steps`` steps (read in bounded memory), prints and logs suspects as they appear and
             recover (``megascan/...`` metrics, ``self.online``), and calls ``on_detect``. None: at fit end only.
@@ -111,7 +111,7 @@ class MegaScan(pl.Callback, StepListener):
         profile_options: ``torch.profiler.profile`` flags, all off by default: ``record_shapes``,
             ``profile_memory``, ``with_stack``, ``with_flops``, ``with_modules``.
         gpu_busy: On GPUs, also measure how long the GPU ran this process's kernels inside each span
-            (``args.busy_us``, ``scan.busy``: a CUDA-only ``torch.profiler`` session per sampled window), so that
+            (``args.busy_us``, ``scan.tracing.busy``: a CUDA-only ``torch.profiler`` session per sampled window), so that
             detection names ``compute`` only where the kernels themselves took longer, not where the GPU idled
             between them (a slow host, launch gaps). No effect on CPUs. Windows with a ``profile_steps`` step, or
             while another profiler session runs (``Trainer(profiler="pytorch")``), go without it.
@@ -121,11 +121,11 @@ class MegaScan(pl.Callback, StepListener):
             tear-down), so the default, one window in 10 (with ``interval=5``: one step in 50), keeps it near
             0.6% of that job's time.
         trace_replays: Whether a traced step that the strategy replays as a CUDA graph is traced as a replay (the
-            graph's own events, ``scan.recorder``) or run eagerly. True (and None, the same): replays, at every
+            graph's own events, ``scan.tracing.recorder``) or run eagerly. True (and None, the same): replays, at every
             layout, so that tracing leaves the job's steps as they are; an eager step in place of a replay can
             take several times as long (docs/evaluation/megascan.md). False: traced steps run eagerly, which
             gives per-kernel host enqueue times; such steps are marked ``in_place_of_replay``, and their launch
-            pace, which the replayed job does not pay, is not named (``scan.attribution``).
+            pace, which the replayed job does not pay, is not named (``scan.analysis.attribution``).
     """
 
     def __init__(
@@ -209,7 +209,7 @@ class MegaScan(pl.Callback, StepListener):
         DP2)."""
         self._p2p_seq: dict[tuple[int, str, str], int] = {}
         self._step_span: Optional[Span] = None
-        self._run_delay = RunDelay()  # the training thread's waits for a CPU (``scan.sched``)
+        self._run_delay = RunDelay()  # the training thread's waits for a CPU (``scan.tracing.sched``)
         self._delay_at: dict[str, Optional[float]] = {"batch_end": None, "batch_start": None}
         self._last_batch_end: Optional[float] = None
         self._fetch_started: Optional[float] = None
@@ -242,7 +242,7 @@ class MegaScan(pl.Callback, StepListener):
 
     @property
     def online(self) -> list[dict[str, Any]]:
-        """Online detections: ``{"step", "report", "appeared", "recovered"}`` each (rank 0; ``scan.online``)."""
+        """Online detections: ``{"step", "report", "appeared", "recovered"}`` each (rank 0; ``scan.tracing.online``)."""
         return self._online.history
 
     # -- which steps -------------------------------------------------------------------------------
@@ -400,7 +400,7 @@ class MegaScan(pl.Callback, StepListener):
 
     def _in_place_of_replay(self) -> bool:
         """Whether this traced step runs eagerly where the strategy would have replayed its captured graph: what
-        its host spends launching kernels one by one, the replayed steps do not (``scan.attribution``)."""
+        its host spends launching kernels one by one, the replayed steps do not (``scan.analysis.attribution``)."""
         graph = getattr(self._strategy, "step_graph", None)
         return not self.traces_replays and graph is not None and graph.captures > 0 and graph.gave_up_because is None
 
@@ -570,7 +570,8 @@ class MegaScan(pl.Callback, StepListener):
         self._close()
         trainer.strategy.barrier("megascan")
         if self.detect and trainer.is_global_zero:
-            from lightning_megatron.scan.detect import detect, log_to
+            from lightning_megatron.scan.analysis.detect import detect
+            from lightning_megatron.scan.analysis.report import log_to
 
             self.report = detect(self.trace_dir, **self.detect_options)
             write_report(self.trace_dir, self.report)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from lightning_megatron.scan.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 
 __all__ = ["aggregate", "register_cli"]
 
@@ -60,6 +60,7 @@ class _Scan:
     files: dict[int, Path]
     present: list[int] = field(default_factory=list)
     truncated: list[int] = field(default_factory=list)
+    empty: list[int] = field(default_factory=list)  # present, but without a single span
     unreadable: list[int] = field(default_factory=list)
     info: dict[int, dict[str, Any]] = field(default_factory=dict)
     clocks: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # rank → [(offset, uncertainty)]
@@ -74,9 +75,9 @@ class _Scan:
 
 
 def _notify(message: str) -> None:
-    """Both a Python warning (for callers and tests) and a line a person running the CLI sees."""
+    """A Python warning, for callers and tests; the CLI prints each one once, before its summary (``_run``), not
+    between the progress bars' updates."""
     warnings.warn(message, stacklevel=3)
-    print(f"megascan aggregate: {message}", file=sys.stderr)
 
 
 def _progress(items: list[int], enabled: bool, desc: str) -> Iterator[int]:
@@ -90,11 +91,13 @@ def _progress(items: list[int], enabled: bool, desc: str) -> Iterator[int]:
 def _scan_rank(scan: _Scan, rank: int, path: Path) -> None:
     failure: Optional[Exception] = None
     malformed = 0
+    timed = 0
     with warnings.catch_warnings(record=True) as caught:  # read_rank_file's own warnings mean "truncated"
         warnings.simplefilter("always")
         try:
             for event in read_rank_file(path):
                 scan.events += 1
+                timed += event.get("ph") == "X"
                 try:
                     _scan_event(scan, rank, event)
                 except (KeyError, TypeError, ValueError):  # a malformed event: skipped, the rest still counts
@@ -111,6 +114,9 @@ def _scan_rank(scan: _Scan, rank: int, path: Path) -> None:
     if reasons:
         scan.truncated.append(rank)
         _notify(f"rank {rank}: truncated or damaged rank file, merging what it holds ({'; '.join(reasons)})")
+    if not timed:
+        scan.empty.append(rank)
+        _notify(f"rank {rank}: no spans in {path.name} (empty or cut short): nothing of it on the timeline")
 
 
 def _forget(scan: _Scan, rank: int) -> None:
@@ -484,6 +490,7 @@ def aggregate(
         "ranks_present": len(scan.present),
         "missing_ranks": missing,
         "truncated_ranks": sorted(scan.truncated),
+        "ranks_without_spans": sorted(scan.empty),
         "clock_missing_ranks": no_clock,
         "refined": refined,
         "refinement_rejected_ranks": rejected,
@@ -537,18 +544,36 @@ def aggregate(
 
 def _run(args: argparse.Namespace) -> int:
     output = args.output if args.output is not None else args.trace_dir / "merged.json.gz"
-    try:
-        summary = aggregate(args.trace_dir, output, refine_clocks=not args.no_refine, progress=not args.quiet)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"megascan aggregate: {err}", file=sys.stderr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            summary = aggregate(args.trace_dir, output, refine_clocks=not args.no_refine, progress=not args.quiet)
+        except (FileNotFoundError, ValueError) as err:
+            summary, failure = None, err
+    # after the progress bars, each on its own line, once, before the result they qualify
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        print(f"megascan aggregate: warning: {message}", file=sys.stderr)
+    if summary is None:
+        print(f"megascan aggregate: {failure}", file=sys.stderr)
         return 2
-    skew = summary["residual_skew_us"]
     print(
         f"{output}: {summary['ranks_present']}/{summary['world_size']} ranks, {summary['events_out']} events, "
-        f"{summary['flows']['p2p']} p2p + {summary['flows']['collective']} collective flows; residual clock skew "
-        f"p95 {skew['before']['p95']} → {skew['after']['p95']} µs"
+        f"{summary['flows']['p2p']} p2p + {summary['flows']['collective']} collective flows; "
+        + _skew_text(summary["residual_skew_us"])
     )
     return 0
+
+
+def _skew_text(skew: dict[str, dict[str, Any]]) -> str:
+    """The residual clock skew line; without matched flows between ranks there is nothing to measure it on."""
+    before, after = skew["before"].get("p95"), skew["after"].get("p95")
+    if before is None and after is None:
+        return "residual clock skew not measured (no matched p2p or collective between ranks)"
+    return f"residual clock skew p95 {_or_na(before)} → {_or_na(after)} µs"
+
+
+def _or_na(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value}"
 
 
 def register_cli(subparsers: Any) -> None:

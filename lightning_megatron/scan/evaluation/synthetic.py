@@ -3,7 +3,7 @@
 A real multi-node trace cannot say which rank *was* slow, which link *was* degraded or how far each clock
 *really* was from rank 0's; a simulated one can. ``generate_traces`` simulates a megatron-core job (tensor,
 pipeline and data parallelism, 1F1B pipeline schedule) in true time, then writes what every rank would have
-recorded on its own skewed clock, in exactly the format of ``lightning_megatron.scan.format``.
+recorded on its own skewed clock, in exactly the format of ``lightning_megatron.scan.analysis.format``.
 
 The simulation, per step:
 
@@ -28,10 +28,10 @@ With ``gpu_busy`` every compute half runs as four kernels that fill 97 % of it (
 all-reduce as an NCCL kernel; a slow rank's kernels are longer, while ``host_paced`` and ``idle_gaps`` stretch
 the *gaps* between kernels (the GPU idles, its kernels take as long as ever). Each step is one window: its
 kernels go, with the two anchor kernels, onto a profiler clock of their own (offset and 20 ppm fast) and through
-``scan.busy.busy_timeline``, the function the GPU recorder uses, which writes ``busy_us`` on the compute and
+``scan.tracing.busy.busy_timeline``, the function the GPU recorder uses, which writes ``busy_us`` on the compute and
 layer spans.
 
-    python -m lightning_megatron.scan.synthetic /tmp/trace --dp 64 --pp 4 --tp 4 --slow-rank 37:1.5
+    python -m lightning_megatron.scan.evaluation.synthetic /tmp/trace --dp 64 --pp 4 --tp 4 --slow-rank 37:1.5
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_megatron.scan.busy import ANCHOR_NAME, Activity, busy_timeline
-from lightning_megatron.scan.format import TID, clock_metadata, rank_file_name, rank_metadata
+from lightning_megatron.scan.analysis.format import TID, clock_metadata, rank_file_name, rank_metadata
+from lightning_megatron.scan.tracing.busy import ANCHOR_NAME, Activity, busy_timeline
 
 __all__ = ["generate_traces", "rank_of", "coords_of", "main"]
 
@@ -159,7 +159,7 @@ class _Simulation:
 
     def busy_lines(self) -> None:
         """Write the spans held for ``busy_us``: each (rank, step) window's kernels, with the two anchors, on a
-        profiler clock of its own, through ``scan.busy.busy_timeline`` (the GPU recorder's path)."""
+        profiler clock of its own, through ``scan.tracing.busy.busy_timeline`` (the GPU recorder's path)."""
         timelines = {}
         for (rank, step), (ref, end) in self.windows.items():
 
@@ -529,7 +529,7 @@ def generate_traces(
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_megatron.scan.synthetic", description=__doc__.split("\n\n")[0]
+        prog="python -m lightning_megatron.scan.evaluation.synthetic", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("out_dir")
     parser.add_argument("--dp", type=int, default=2)

@@ -1,8 +1,9 @@
 """How long each rank waited, per step: for its data loader, for its host, and for the other ranks.
 
-The contract: ``RankTrace`` s in (``scan.measure`` reads them), ``DataWaits`` out, one per kind of wait; which waits
-are too long is decided in ``scan.detect``. A wait is what a slow loader, a slow host or a slow peer adds to a
-rank's step without any compute of its own, so each is measured apart from the compute of ``scan.measure``:
+The contract: ``RankTrace`` s in (``scan.analysis.measure`` reads them), ``DataWaits`` out, one per kind of wait; which
+waits are too long is decided in ``scan.analysis.detect``. A wait is what a slow loader, a slow host or a slow peer adds
+to a
+rank's step without any compute of its own, so each is measured apart from the compute of ``scan.analysis.measure``:
 
 * **data** (``data_waits``): the loader's fetches (``data-fetch`` spans) per step, and when the step's last one
   ended on the aligned clock;
@@ -14,7 +15,7 @@ rank's step without any compute of its own, so each is measured apart from the c
   step (``measure.blocking_waits_per_step``) as ``synced``, and how long its stage peers were blocked in
   communication during those very gaps as ``waited_during``;
 * **waits for a CPU** (``cpu_waits``): how long the training thread was runnable but had no CPU, in the step and
-  in the host gap before it (``cpu_wait_us``, ``scan.sched``): another process's time slices, a CPU limit.
+  in the host gap before it (``cpu_wait_us``, ``scan.tracing.sched``): another process's time slices, a CPU limit.
 
 ``synced`` is clock-free evidence of lateness: each wait is a duration on its own rank's clock, and the ranks that
 waited longer than a rank did waited for it.
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_megatron.scan.measure import (
+from lightning_megatron.scan.analysis.measure import (
     STARVED_US,
     RankTrace,
     blocking_waits_per_step,

@@ -1,14 +1,14 @@
-"""Is a compute suspect a slow GPU, a late host, or nothing? The attribution step of ``scan.detect``.
+"""Is a compute suspect a slow GPU, a late host, or nothing? The attribution step of ``scan.analysis.detect``.
 
-The contract: compute suspects in (from the rules of ``scan.compute_rules`` and ``scan.stage_rules``), the same
-suspects out, each kept as ``compute``, renamed ``host``, or dropped with a note; the suspects of other kinds pass
-through unchanged.
+The contract: compute suspects in (from the rules of ``scan.analysis.compute_rules`` and ``scan.analysis.stage_rules``),
+the same suspects out, each kept as ``compute``, renamed ``host``, or dropped with a note; the suspects of other kinds
+pass through unchanged.
 
 A compute span is GPU wall time between two events, so a slower GPU, kernels time-sliced with another process,
 and a host that queued the work late all make it longer. Two measurements tell them apart:
 
-* **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.busy``, ``scan.gpu_measure``): the
-  suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer, over
+* **GPU busy time** (``attribute_busy``, where the trace has it: ``scan.tracing.busy``, ``scan.analysis.gpu_measure``):
+  the suspect's kernel time against the same baseline as the rule that named it. Kernels that took longer, over
   all or against its peers in any one sampled step, are the GPU's own work (``compute``); an excess made of
   idle time between kernels is the host's, if its host also took longer to queue the same work, by enough to
   explain the excess, and nobody's otherwise.
@@ -19,7 +19,8 @@ Either names ``host`` only where the job pays that pace: traced steps that ran e
 CUDA-graph replays (``RankTrace.eager_in_place_of_replays``) show a launch pace the replays do not have.
 
 Kept apart from the rules because it judges their output with other measurements; the rules decide who is slow,
-this module what kind of slow.
+this module what kind of slow. Last, ``fold_consequences`` keeps one cause per rank: a lesser host-gap or link
+suspect on a rank named ``compute`` becomes that suspect's evidence.
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_megatron.scan.compare import lower_half_median, trimmed_mean
-from lightning_megatron.scan.compute_rules import HISTORY_RULE, RELATIVE_HISTORY_RULE, peer_groups
-from lightning_megatron.scan.gpu_measure import BusyTimes
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import Suspect
+from lightning_megatron.scan.analysis.compare import lower_half_median, trimmed_mean
+from lightning_megatron.scan.analysis.gpu_measure import BusyTimes
+from lightning_megatron.scan.analysis.measure import RankTrace
+from lightning_megatron.scan.analysis.report import Suspect
+from lightning_megatron.scan.analysis.rules_common import (
+    HISTORY_RULE,
+    RELATIVE_HISTORY_RULE,
+    DetectionContext,
+    peer_groups,
+)
 
-__all__ = ["attribute_busy", "attribute_host"]
+__all__ = ["attribute_busy", "attribute_host", "fold_consequences"]
 
 # A host named for a suspect's excess must have queued the work at least this share of that excess slower: a
 # host 9-13% slower cannot explain spans 110-290% longer (2x H200, TP2 with sequence parallelism: the
@@ -45,13 +51,7 @@ __all__ = ["attribute_busy", "attribute_host"]
 _HOST_EXPLAINS = 0.5
 
 
-def attribute_host(
-    suspects: list[Suspect],
-    pacing: dict[int, float],
-    traces: dict[int, RankTrace],
-    min_slowdown: float,
-    notes: list[str],
-) -> list[Suspect]:
+def attribute_host(context: DetectionContext) -> list[Suspect]:
     """Compute suspects whose spans the host paced become ``host`` suspects (GPU traces with queue fields), or are
     dropped where their host was no slower than their peers'. Returns the suspects kept.
 
@@ -63,6 +63,8 @@ def attribute_host(
     several times theirs although its host is no slower. So the host is named only where it took longer than its
     peers' hosts to queue the same ops (``enqueue_us``, per op, median of the ratios) by ``min_slowdown`` and by
     half the suspect's slowdown at least (what it explains); otherwise the suspect is dropped with a note."""
+    suspects, pacing, traces = context.suspects, context.pacing, context.traces
+    min_slowdown, notes = context.min_slowdown, context.notes
     groups = peer_groups(traces)
     kept = []
     for suspect in suspects:
@@ -145,14 +147,9 @@ _HOST_AHEAD = 0.5  # queueing time under this share of the spans' time: the host
 _BUSY_MIN_STEPS = 3  # steps with busy time on the suspect and every peer, to compare per step (else per op)
 
 
-def attribute_busy(
-    suspects: list[Suspect],
-    traces: dict[int, RankTrace],
-    busy: dict[int, BusyTimes],
-    min_slowdown: float,
-    notes: list[str],
-) -> list[Suspect]:
-    """Compute suspects judged on GPU busy time where the trace has it (``scan.busy``); returns the suspects kept.
+def attribute_busy(context: DetectionContext) -> list[Suspect]:
+    """Compute suspects judged on GPU busy time where the trace has it (``scan.tracing.busy``); returns the suspects
+    kept.
 
     A span's excess is either kernel time (a slower GPU, or kernels time-sliced with another process: the GPU's
     own work took longer) or time in which the GPU idled between kernels (a host that queued the work late,
@@ -170,6 +167,8 @@ def attribute_busy(
     and is dropped with a note otherwise (idle time that neither its kernels nor its host explain: a launch-bound
     job paced by one host, or waits on another stream). Suspects without busy time on both sides are left as
     they are (``attribute_host``)."""
+    suspects, traces, busy = context.suspects, context.traces, context.busy
+    min_slowdown, notes = context.min_slowdown, context.notes
     groups = peer_groups(traces)
     kept = []
     for suspect in suspects:
@@ -368,3 +367,34 @@ def _key_excess(
     if not ratios:
         return None
     return statistics.median(ratios) - 1.0, own_sum, base_sum
+
+
+_CONSEQUENCE_SHARE = 0.25
+"""A host-gap or link suspect costing less than this share of its rank's compute suspect is a consequence of it."""
+
+
+def fold_consequences(context: DetectionContext) -> list[Suspect]:
+    """One rank, one cause: a slower GPU also lengthens what runs on it or waits for it, so a lesser suspect on a
+    rank already named ``compute`` for several times as much per step (``_CONSEQUENCE_SHARE``) is kept as that
+    suspect's evidence, not named as a second cause:
+
+    * a longer host gap between steps (it holds round trips to the GPU, such as Lightning's per-step
+      synchronisation): ``host_gap_ms`` (2x H200, another process competing for one GPU: +3.5 ms of host gap
+      per step beside +180 ms of compute, every such run);
+    * a slower link from that rank (its communication kernels share the GPU too): ``link_ms`` and the link's
+      ``link_peer`` (2x H200 at PP2, the same fault: +4 to +6 ms of transfer beside +55 to +75 ms of compute)."""
+    suspects = context.suspects
+    compute = {s.rank: s for s in suspects if s.kind == "compute"}
+    kept = []
+    for suspect in suspects:
+        cause = compute.get(suspect.rank)
+        minor = cause is not None and suspect.impact_ms < _CONSEQUENCE_SHARE * cause.impact_ms
+        if minor and suspect.kind == "host" and "late_ms" in suspect.evidence:  # from the host-gap comparison
+            key = "host_in_step_ms" if "where" in suspect.evidence else "host_gap_ms"
+            cause.evidence[key] = round(suspect.impact_ms, 3)
+            continue
+        if minor and suspect.kind == "link":
+            cause.evidence.update(link_ms=round(suspect.impact_ms, 3), link_peer=suspect.peer)
+            continue
+        kept.append(suspect)
+    return kept

@@ -1,13 +1,13 @@
-"""The compute rules of ``scan.detect``: which ranks are slow at their own work (``kind="compute"``).
+"""The compute rules of ``scan.analysis.detect``: which ranks are slow at their own work (``kind="compute"``).
 
-The contract: measurements in (``scan.measure``: net compute per op, per layer part, per step), compute
-suspects out; statistics come from ``scan.compare``. Four rules, each for what the others cannot see:
+The contract: measurements in (``scan.analysis.measure``: net compute per op, per layer part, per step), compute
+suspects out; statistics come from ``scan.analysis.compare``. Four rules, each for what the others cannot see:
 
 * **per op** (``compute_suspects``): per-op medians of net compute within a pipeline stage's peers, flagged
   by excess, z and superiority; the evidence adds collective arrival order and the slowest layer parts;
 * **per step** (``step_suspects``): per-step sums, each rank against each peer with Wilcoxon's signed-rank
   test over steps; finds partial and bursty slowdowns that per-op medians do not move;
-* **across stages**: ranks alone in their stage, on transformer layer parts (``scan.stage_rules``);
+* **across stages**: ranks alone in their stage, on transformer layer parts (``scan.analysis.stage_rules``);
 * **against itself** (``own_history_suspects``): a rank's later steps against its own earlier ones (every split
   of the analysed steps), for what the peers' rules cannot show: one process, a lone stage without layer spans,
   a slowdown in too few steps to win most of them. Beside other ranks it is relative to theirs (a change all of
@@ -15,22 +15,20 @@ suspects out; statistics come from ``scan.compare``. Four rules, each for what t
   slow from the start.
 
 Whether a suspect of these rules is a slow GPU, a late host or nothing is decided afterwards, on GPU busy time
-and queue fields (``scan.attribution``).
+and queue fields (``scan.analysis.attribution``).
 
-The small helpers every rule of ``scan.detect`` shares (``peer_groups``, ``flagged``, ``make_suspect``) live
-here too, so the other rules import from this module and not the other way round.
+The helpers every rule shares (``peer_groups``, ``flagged``, ``make_suspect``, the context) are in
+``scan.analysis.rules_common``; the order the rules run in is ``scan.analysis.rules.RULES``.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Optional
 
-from lightning_megatron.scan.compare import (
-    Comparison,
+from lightning_megatron.scan.analysis.compare import (
     HistoryChange,
     Level,
     compare_with_peers,
@@ -41,58 +39,32 @@ from lightning_megatron.scan.compare import (
     signed_rank_p,
     trimmed_mean,
 )
-from lightning_megatron.scan.measure import RankTrace, StepTotal
-from lightning_megatron.scan.report import RankSummary, Suspect
+from lightning_megatron.scan.analysis.report import Suspect
+from lightning_megatron.scan.analysis.rules_common import (
+    HISTORY_ALPHA,
+    MIN_STEPS,
+    RELATIVE_HISTORY_RULE,
+    DetectionContext,
+    comparison_evidence,
+    flagged,
+    history_alpha,
+    history_evidence,
+    make_suspect,
+    peer_groups,
+)
 
-__all__ = [
-    "HISTORY_RULE",
-    "RELATIVE_HISTORY_RULE",
-    "comparison_evidence",
-    "compute_suspects",
-    "flagged",
-    "history_alpha",
-    "history_evidence",
-    "make_suspect",
-    "own_history_suspects",
-    "peer_groups",
-    "step_suspects",
-]
+__all__ = ["compute_suspects", "own_history_suspects", "step_suspects"]
 
-# A suspect must be slower than a healthy peer in at least this fraction of sample pairs (``Comparison.superiority``):
-# the median test assumes well-behaved noise; this one holds for heavy-tailed or two-mode noise too (CPU
-# contention: a rank's op takes either 3 ms or 12 ms), where a median can move without a consistent slowdown.
-_MIN_SUPERIORITY = 0.8
-MIN_STEPS = 8  # steps of identical work for the per-step rule (its smallest p-value is then 1/256)
 _STEP_ALPHA = 0.01  # per-step rule: one rank against all its peers (Bonferroni over them)
 _STEP_ALPHA_LARGE = 0.05  # ... for an excess of at least twice min_slowdown: bursts that leave a few steps clean
-_HISTORY_ALPHA = 0.01  # own-history rules: later steps against earlier ones, family-wise over the ranks tested
 
 
-def peer_groups(traces: dict[int, RankTrace]) -> dict[int, list[int]]:
-    """Ranks that do the same work: one group per pipeline stage (all data- and tensor-parallel ranks)."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for rank, trace in sorted(traces.items()):
-        groups[trace.pp].append(rank)
-    return groups
-
-
-def flagged(c: Comparison, min_slowdown: float, min_z: float) -> bool:
-    return c.excess >= min_slowdown and c.z >= min_z and c.superiority >= _MIN_SUPERIORITY
-
-
-def compute_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    compute: dict[int, dict[str, list[float]]],
-    layers: dict[int, dict[str, list[float]]],
-    collectives: dict[int, dict[str, Any]],
-    min_slowdown: float,
-    min_z: float,
-    min_impact_us: float,
-    notes: list[str],
-) -> list[Suspect]:
+def compute_suspects(context: DetectionContext) -> list[Suspect]:
     """Compare net compute within each pipeline stage; the evidence adds the rank's collective arrival order
     and, when the trace has layer spans, the layer parts that are slowest relative to the peers."""
+    traces, per_rank, notes = context.traces, context.per_rank, context.notes
+    compute, layers, collectives = context.compute_samples, context.layer_samples, context.collective_stats
+    min_slowdown, min_z, min_impact_us = context.min_slowdown, context.min_z, context.min_impact_us
     suspects = []
     everywhere = pooled_sigma(values for per_op in (*compute.values(), *layers.values()) for values in per_op.values())
     for pp, ranks in sorted(peer_groups(traces).items()):
@@ -103,6 +75,12 @@ def compute_suspects(
                 notes.append(
                     "one rank, no peers: it is compared with its own earlier steps only (a rank slow from its "
                     "first traced step on is not seen)"
+                )
+            elif members and len(ranks) > 1:  # its peers' traces hold no compute: lost data, not a lone stage
+                without = ", ".join(str(r) for r in ranks if r not in members)
+                notes.append(
+                    f"stage pp{pp}: rank(s) {without} without compute spans, so rank {members[0]} has no peer to "
+                    "compare with"
                 )
             elif members and not layers[members[0]]:
                 notes.append(
@@ -131,17 +109,13 @@ def compute_suspects(
     return suspects
 
 
-def step_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    totals: dict[int, dict[int, StepTotal]],
-    suspects: list[Suspect],
-    min_slowdown: float,
-    min_impact_us: float,
-) -> list[Suspect]:
+def step_suspects(context: DetectionContext) -> list[Suspect]:
     """The per-step rule (module docstring). Adds its evidence to a compute suspect the per-op rule already
-    named (``evidence["per_step"]``), or names a new one; returns all compute suspects."""
-    by_rank = {s.rank: s for s in suspects}
+    named (``evidence["per_step"]``), or names a new one; returns the new ones."""
+    traces, per_rank, totals = context.traces, context.per_rank, context.totals
+    min_slowdown, min_impact_us = context.min_slowdown, context.min_impact_us
+    by_rank = {s.rank: s for s in context.suspects}
+    found = []
     for _pp, ranks in sorted(peer_groups(traces).items()):
         members = [r for r in ranks if totals.get(r)]
         if len(members) < 2:
@@ -186,8 +160,8 @@ def step_suspects(
                 continue
             evidence.update(step_ms=per_rank[rank].step_ms, compute_ms=per_rank[rank].compute_ms, peers=len(peers))
             by_rank[rank] = make_suspect(traces[rank], "compute", excess, evidence)
-            suspects.append(by_rank[rank])
-    return suspects
+            found.append(by_rank[rank])
+    return found
 
 
 def _collective_evidence(by_name: dict[str, Any]) -> dict[str, Any]:
@@ -217,57 +191,12 @@ def _slowest_parts(rank: int, levels: dict[int, dict[str, Level]], top: int = 3)
     return sorted(ratios, key=lambda r: -r["slowdown"])[:top]
 
 
-def comparison_evidence(c: Comparison, peers: int, impact_us: float, summary: RankSummary) -> dict[str, Any]:
-    """The evidence of a compute suspect named on a ``compare_with_peers`` comparison."""
-    return {
-        "median_ms": c.median / 1000,
-        "baseline_ms": c.baseline / 1000,
-        "z": round(c.z, 2),
-        "superiority": round(c.superiority, 3),
-        "samples": c.n,
-        "peers": peers,
-        "impact_ms": impact_us / 1000,
-        "step_ms": summary.step_ms,
-        "compute_ms": summary.compute_ms,
-    }
-
-
-def wait_evidence(c: Comparison, late_us: float, peers: int, impact_us: float, summary: RankSummary) -> dict[str, Any]:
-    """The evidence of a wait suspect (``data``, ``host``) named on a ``compare_with_peers`` comparison of waits per
-    step; ``late_us``: how late the rank was against those it was compared with (``nan``: not measured)."""
-    return {
-        "median_ms": c.median / 1000,
-        "baseline_ms": c.baseline / 1000,
-        "late_ms": late_us / 1000 if math.isfinite(late_us) else None,
-        "z": round(c.z, 2),
-        "superiority": round(c.superiority, 3),
-        "steps": c.n,
-        "peers": peers,
-        "impact_ms": impact_us / 1000,
-        "step_ms": summary.step_ms,
-    }
-
-
-def make_suspect(
-    trace: RankTrace, kind: str, slowdown: float, evidence: dict[str, Any], peer: Optional[int] = None
-) -> Suspect:
-    return Suspect(**trace.coordinates, kind=kind, slowdown=round(slowdown, 4), peer=peer, evidence=evidence)
-
-
-def own_history_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    totals: dict[int, dict[int, StepTotal]],
-    suspects: list[Suspect],
-    min_slowdown: float,
-    min_impact_us: float,
-    notes: list[str],
-) -> list[Suspect]:
+def own_history_suspects(context: DetectionContext) -> list[Suspect]:
     """Ranks whose later steps are slower than their own earlier ones (module docstring); returns new suspects.
 
     The analysed steps of identical work (equal span counts) are split into earlier and later steps, each side
     at least ``MIN_STEPS`` (``compare.later_steps_change``); a rank is named when its later steps are slower by
-    ``min_slowdown`` (10 %-trimmed means) and ``min_impact`` per step at p below ``_HISTORY_ALPHA`` shared among
+    ``min_slowdown`` (10 %-trimmed means) and ``min_impact`` per step at p below ``HISTORY_ALPHA`` shared among
     the ranks (``history_evidence``). Ranks already named are left out.
 
     With other ranks beside it, the change must also stand relative to theirs (the rank's compute step by step
@@ -277,6 +206,8 @@ def own_history_suspects(
     (correlation 0.53 over 60 fits); the rule named a rank in 2 of those fits tested alone, in 1 relative to the
     peer (``benchmarks/results/megascan_eval_cpu_dp2_history_relative.json``). GPUs share clock and cooling
     changes the same way. A change every rank shares is reported in ``notes`` instead."""
+    traces, per_rank, totals, notes = context.traces, context.per_rank, context.totals, context.notes
+    min_slowdown, min_impact_us = context.min_slowdown, context.min_impact_us
     series = {}
     for rank, per_step in sorted(totals.items()):
         steps = [s for s, t in per_step.items() if t.spans and t.compute_us > 0]
@@ -284,7 +215,7 @@ def own_history_suspects(
             series[rank] = {s: per_step[s].compute_us for s in steps}
     common = sorted(set.intersection(*(set(v) for v in series.values()))) if len(series) >= 2 else []
     relative = len(common) >= 2 * MIN_STEPS
-    named = {s.rank for s in suspects}
+    named = {s.rank for s in context.suspects}
     alpha = history_alpha(len(totals))
     found = []
     for rank, compute in series.items():
@@ -347,44 +278,11 @@ def _note_a_shared_change(
     """A note where every rank's compute grew: each rank's own later steps against its earlier ones, all past the
     bar, the least of the changes reported. (A median across ranks is no test of "every": of two ranks it is
     their mean, and one rank 30% slower moved it 15%.)"""
-    changes = [later_steps_change({s: series[r][s] for s in common}, MIN_STEPS, _HISTORY_ALPHA) for r in series]
-    if all(c is not None and c.excess >= min_slowdown and c.p < _HISTORY_ALPHA for c in changes):
+    changes = [later_steps_change({s: series[r][s] for s in common}, MIN_STEPS, HISTORY_ALPHA) for r in series]
+    if all(c is not None and c.excess >= min_slowdown and c.p < HISTORY_ALPHA for c in changes):
         least = min(changes, key=lambda c: c.excess)
         notes.append(
             f"every rank's compute {least.excess:+.0%} or more from step {least.later_steps[0]} on "
             f"(p={max(c.p for c in changes):.2g}): the job slowed as a whole, no rank apart from the others (a "
             "shared cause: the machine's clocks or cooling, another tenant)"
         )
-
-
-HISTORY_RULE = "later steps against the rank's own earlier steps"
-RELATIVE_HISTORY_RULE = f"{HISTORY_RULE}, relative to the other ranks'"
-"""The same rule where other ranks were beside it: its change stood relative to theirs too."""
-
-
-def history_alpha(ranks_tested: int) -> float:
-    """The level of the own-history test of each of ``ranks_tested`` ranks (Bonferroni over them)."""
-    return _HISTORY_ALPHA / max(1, ranks_tested)
-
-
-def history_evidence(
-    change: Optional[HistoryChange], min_slowdown: float, min_impact_us: float, ranks_tested: int
-) -> Optional[dict[str, Any]]:
-    """The evidence of a suspect named against its own history (``HISTORY_RULE``), or None where ``change`` is not
-    a slowdown by ``min_slowdown`` and ``min_impact_us`` per step at p below ``_HISTORY_ALPHA`` shared among the
-    ``ranks_tested`` (Bonferroni: 1% for one process, 0.125% per rank for eight)."""
-    if change is None or change.excess < min_slowdown or change.after - change.before < min_impact_us:
-        return None
-    alpha = history_alpha(ranks_tested)
-    if change.p >= alpha:
-        return None
-    return {
-        "rule": HISTORY_RULE,
-        "earlier_steps": list(change.earlier_steps),
-        "later_steps": list(change.later_steps),
-        "later_ms": change.after / 1000,
-        "earlier_ms": change.before / 1000,
-        "p_value": change.p,
-        "alpha": alpha,
-        "impact_ms": (change.after - change.before) / 1000,
-    }

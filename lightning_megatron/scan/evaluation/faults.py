@@ -1,6 +1,6 @@
 """Faults from outside the job, for evaluating slow-rank detection against what its design did not assume.
 
-``scan.inject`` stretches a rank's own spans (MegaScan's model of a slow GPU); these make the machine slow the
+``scan.evaluation.inject`` stretches a rank's own spans (MegaScan's model of a slow GPU); these make the machine slow the
 way real machines are, and leave it to the job to feel it (or not):
 
 * ``CompetingProcess(kind="gpu")``: another process running matrix multiplications on a rank's GPU (a second
@@ -17,7 +17,7 @@ way real machines are, and leave it to the job to feel it (or not):
   behind one rank's loader). With ``num_workers=0`` the sleep is inside the loader's ``next()``, where MegaScan's
   ``data-fetch`` span times it.
 
-A slow link is ``scan.inject.LinkDelayInjector`` (inside the transport, as a slow wire is).
+A slow link is ``scan.evaluation.inject.LinkDelayInjector`` (inside the transport, as a slow wire is).
 
 All can begin mid-fit (``CompetingProcess(start_step=...)``, ``HostStall(start_step=...)``,
 ``SlowDataset(after_reads=...)``): a machine that

@@ -16,8 +16,8 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
-from lightning_megatron.scan.format import TID
-from lightning_megatron.scan.recorder import Span, SpanRecorder
+from lightning_megatron.scan.analysis.format import TID
+from lightning_megatron.scan.tracing.recorder import Span, SpanRecorder
 
 __all__ = ["LayerTracer"]
 

@@ -1,10 +1,10 @@
-"""The rules of ``scan.detect`` for ranks alone in their pipeline stage (pipeline parallelism without data- or
+"""The rules of ``scan.analysis.detect`` for ranks alone in their pipeline stage (pipeline parallelism without data- or
 tensor-parallel peers): such a rank has nobody doing its own work, but every stage runs transformer layers, and
 one layer's attention or MLP is the same work on every stage.
 
-The contract: layer measurements in (``scan.measure``: net times of ``granularity="layer"`` spans), compute
-suspects out, with the statistics of ``scan.compare``, by two rules like the peer rules of ``compute_rules``; and
-host waits in (``scan.waits``), host suspects out, by a third:
+The contract: layer measurements in (``scan.analysis.measure``: net times of ``granularity="layer"`` spans), compute
+suspects out, with the statistics of ``scan.analysis.compare``, by two rules like the peer rules of
+``compute_rules``; and host waits in (``scan.analysis.waits``), host suspects out, by a third:
 
 * **per part** (``cross_stage_suspects``): per layer part (``forward attention``, ``backward mlp``, ...), each
   rank's samples against the other stages', flagged by excess, z and superiority. It sees a stage whose every
@@ -17,7 +17,7 @@ host waits in (``scan.waits``), host suspects out, by a third:
   hard: on CPUs another process on a stage's core left the median layer part as it was (+7%) and made the mean
   +42% to +99% (the time the stage lost); the test over steps, not the mean, keeps a one-off pause out;
 * **host waits** (``cross_stage_wait_suspects``): the host's gaps between steps and the GPU's waits for its host
-  inside steps (``scan.waits``) are Lightning's and the user's callbacks' work, the same code on every stage:
+  inside steps (``scan.analysis.waits``) are Lightning's and the user's callbacks' work, the same code on every stage:
   a stage whose host blocks (a synchronous upload, a long garbage collection) is compared with the other lone
   stages, and named ``host`` where it costs ``min_slowdown`` of the job's median step.
 
@@ -40,7 +40,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from lightning_megatron.scan.compare import (
+from lightning_megatron.scan.analysis.compare import (
     compare_with_peers,
     levels_of,
     lower_half_median,
@@ -48,17 +48,18 @@ from lightning_megatron.scan.compare import (
     signed_rank_p,
     trimmed_mean,
 )
-from lightning_megatron.scan.compute_rules import (
+from lightning_megatron.scan.analysis.measure import RankTrace
+from lightning_megatron.scan.analysis.report import Suspect
+from lightning_megatron.scan.analysis.rules_common import (
     MIN_STEPS,
+    DetectionContext,
     comparison_evidence,
     flagged,
     make_suspect,
     peer_groups,
     wait_evidence,
 )
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import RankSummary, Suspect
-from lightning_megatron.scan.waits import DataWaits, waited_for
+from lightning_megatron.scan.analysis.waits import DataWaits, waited_for
 
 __all__ = ["cross_stage_suspects", "cross_stage_step_suspects", "cross_stage_wait_suspects"]
 
@@ -87,15 +88,10 @@ def _stage_margin(traces: dict[int, RankTrace]) -> float:
     return _STAGE_MARGIN_CPU if any(t.device == "cpu" for t in traces.values()) else _STAGE_MARGIN
 
 
-def cross_stage_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    parts_per_step: dict[int, dict[int, dict[str, list[float]]]],
-    min_slowdown: float,
-    min_z: float,
-    min_impact_us: float,
-) -> list[Suspect]:
+def cross_stage_suspects(context: DetectionContext) -> list[Suspect]:
     """The per-part rule (module docstring), on ``measure.layer_parts_per_step`` (merged over steps)."""
+    traces, per_rank, parts_per_step = context.traces, context.per_rank, context.parts_per_step
+    min_slowdown, min_z, min_impact_us = context.min_slowdown, context.min_z, context.min_impact_us
     alone = lone_stages(traces, parts_per_step)
     if len(alone) < 2:
         return []
@@ -127,25 +123,19 @@ def cross_stage_suspects(
     return suspects
 
 
-def cross_stage_step_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    parts_per_step: dict[int, dict[int, dict[str, list[float]]]],
-    every_part_per_step: dict[int, dict[int, dict[str, list[float]]]],
-    layers: dict[int, dict[str, list[float]]],
-    suspects: list[Suspect],
-    min_slowdown: float,
-    min_impact_us: float,
-) -> list[Suspect]:
+def cross_stage_step_suspects(context: DetectionContext) -> list[Suspect]:
     """The per-step rule (module docstring) on ``measure.layer_parts_per_step`` (``parts_per_step``: the spans
     each GPU paced; ``every_part_per_step``: all spans, ``host_paced_too``); the time it costs is the excess
     share of the rank's layer spans per step (``layers``: ``measure.net_compute``'s layer samples). Adds its
     evidence to a compute suspect already named (``evidence["per_step_layers"]``) or names a new one; returns
     the new suspects."""
+    traces, per_rank, layers = context.traces, context.per_rank, context.layer_samples
+    parts_per_step, every_part_per_step = context.parts_per_step, context.every_part_per_step
+    min_slowdown, min_impact_us = context.min_slowdown, context.min_impact_us
     alone = lone_stages(traces, every_part_per_step)  # a rank whose GPU paced no span is still a baseline
     if len(alone) < 2:
         return []
-    by_rank = {s.rank: s for s in suspects if s.kind == "compute"}
+    by_rank = {s.rank: s for s in context.suspects if s.kind == "compute"}
     margin = _stage_margin(traces)
     found = []
     for rank in alone:
@@ -223,15 +213,8 @@ def _typical_layer_per_step(
     return typical
 
 
-def cross_stage_wait_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    waits: DataWaits,
-    bar_us: float,
-    min_slowdown: float,
-    min_z: float,
-) -> list[Suspect]:
-    """``host`` suspects among the ranks alone in their stage: their host waits per step (``scan.waits``: gaps
+def cross_stage_wait_suspects(context: DetectionContext, waits: DataWaits, bar_us: float) -> list[Suspect]:
+    """``host`` suspects among the ranks alone in their stage: their host waits per step (``scan.analysis.waits``: gaps
     between steps, or the GPU's waits for its host inside them) against the other lone stages', flagged as a
     compute comparison is (with the stage margin) where the excess costs at least ``bar_us`` per step.
 
@@ -240,6 +223,7 @@ def cross_stage_wait_suspects(
     share of the step, as for the waits inside steps. ``evidence["late_ms"]`` is how much longer the others waited
     for the rank (``waits.waited_for``, clock-free); between stages it is only evidence, not a condition: a
     pipeline's stages wait for each other in every step, whatever their hosts do."""
+    traces, per_rank, min_slowdown, min_z = context.traces, context.per_rank, context.min_slowdown, context.min_z
     alone = lone_stages(traces, waits.samples)
     if len(alone) < 2:
         return []

@@ -1,7 +1,8 @@
-"""The rule of ``scan.detect`` for a rank whose training thread waited for a CPU: ``host``, whatever its spans say.
+"""The rule of ``scan.analysis.detect`` for a rank whose training thread waited for a CPU: ``host``, whatever its spans
+say.
 
-The contract: ``scan.waits.cpu_waits`` in (the run-queue delay of each rank's training thread per step, from the
-kernel, ``scan.sched``), ``host`` suspects out, with the statistics of ``scan.compare``.
+The contract: ``scan.analysis.waits.cpu_waits`` in (the run-queue delay of each rank's training thread per step, from
+the kernel, ``scan.tracing.sched``), ``host`` suspects out, with the statistics of ``scan.analysis.compare``.
 
 A thread that is runnable but gets no CPU loses that time wherever it is: in a compute span (which then looks like
 a slower GPU or CPU), in a host gap, or inside a collective it had entered (which then looks like waiting for the
@@ -19,7 +20,7 @@ the job, step by step:
   every step), Bonferroni over the ranks tested.
 
 A rank whose waits grew during the run is also compared with its own earlier steps
-(``cpu_wait_history_suspects``: the compute rule against itself, ``compute_rules.HISTORY_RULE``): one process has
+(``cpu_wait_history_suspects``: the compute rule against itself, ``rules_common.HISTORY_RULE``): one process has
 no other rank, and a machine whose every rank lost its CPUs at once has no healthy one.
 
 One rank, one name (``merge_cpu_waits``): a rank already named ``host`` keeps one ``host`` suspect, the one that
@@ -36,33 +37,28 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lightning_megatron.scan.compare import later_steps_change, sign_flip_p
-from lightning_megatron.scan.compute_rules import (
+from lightning_megatron.scan.analysis.compare import later_steps_change, sign_flip_p
+from lightning_megatron.scan.analysis.report import Suspect
+from lightning_megatron.scan.analysis.rules_common import (
     HISTORY_RULE,
     MIN_STEPS,
+    DetectionContext,
     history_alpha,
     history_evidence,
     make_suspect,
 )
-from lightning_megatron.scan.measure import RankTrace
-from lightning_megatron.scan.report import RankSummary, Suspect
-from lightning_megatron.scan.waits import DataWaits
 
-__all__ = ["cpu_wait_history_suspects", "cpu_wait_suspects", "merge_cpu_waits"]
+__all__ = ["cpu_wait_history_suspects", "cpu_wait_rule", "cpu_wait_suspects", "merge_cpu_waits"]
 
 _ALPHA = 0.01
 _ALPHA_LARGE = 0.05
 _MIN_STEPS = 6  # steps every compared rank has: 2^-6 is the smallest p a sign flip can give with fewer
 
 
-def cpu_wait_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    waits: DataWaits,
-    median_step_us: float,
-    min_slowdown: float,
-) -> list[Suspect]:
+def cpu_wait_suspects(context: DetectionContext) -> list[Suspect]:
     """``host`` suspects from the training threads' waits for a CPU (module docstring)."""
+    traces, per_rank, waits = context.traces, context.per_rank, context.cpu_waits
+    median_step_us, min_slowdown = context.median_step_us, context.min_slowdown
     ranks = sorted(r for r in waits.samples if r in traces)
     if len(ranks) < 2 or not median_step_us:
         return []
@@ -98,18 +94,13 @@ def cpu_wait_suspects(
     return suspects
 
 
-def cpu_wait_history_suspects(
-    traces: dict[int, RankTrace],
-    per_rank: dict[int, RankSummary],
-    waits: DataWaits,
-    suspects: list[Suspect],
-    median_step_us: float,
-    min_slowdown: float,
-) -> list[Suspect]:
+def cpu_wait_history_suspects(context: DetectionContext, suspects: list[Suspect]) -> list[Suspect]:
     """``host`` suspects whose training thread waited longer for a CPU in its later steps than in its earlier ones,
     by ``min_slowdown`` of the job's median step; ranks the comparison with the others (in ``suspects``) already
     named for their CPU waits are left out. A rank named ``host`` by another rule is tested too:
     ``merge_cpu_waits`` keeps one name, with the larger cost."""
+    traces, per_rank, waits = context.traces, context.per_rank, context.cpu_waits
+    median_step_us, min_slowdown = context.median_step_us, context.min_slowdown
     if not median_step_us:
         return []
     named = {s.rank for s in suspects if s.kind == "host" and "cpu_wait_ms" in s.evidence}
@@ -126,6 +117,14 @@ def cpu_wait_history_suspects(
         evidence.update(rule=f"{HISTORY_RULE}: the training thread's waits for a CPU", step_ms=per_rank[rank].step_ms)
         found.append(make_suspect(traces[rank], "host", (change.after - change.before) / median_step_us, evidence))
     return found
+
+
+def cpu_wait_rule(context: DetectionContext) -> list[Suspect]:
+    """The rule as the pipeline runs it: against the others, then against its own history, merged into the
+    suspects named so far (one name per rank); returns the whole revised list."""
+    found = cpu_wait_suspects(context)
+    found += cpu_wait_history_suspects(context, context.suspects + found)
+    return merge_cpu_waits(context.suspects, found)
 
 
 def _cpu_wait_ms(evidence: dict[str, Any]) -> float:

@@ -12,9 +12,9 @@ A GPU span also keeps the host time of its two records, written as ``args.enqueu
 to queue the span's work) and ``args.queued_us`` (how long after the host queued the span's start the GPU
 reached it). A GPU that is the bottleneck runs behind a full queue (``queued_us`` large); a GPU starved by a
 slow host reaches each span as soon as it is queued (``queued_us`` near 0) and its spans last as long as the
-host takes to enqueue them: such a span is paced by the host, not by the GPU (``scan.compute_rules``).
+host takes to enqueue them: such a span is paced by the host, not by the GPU (``scan.analysis.compute_rules``).
 
-With a ``KernelActivity`` (``scan.busy``) a window can also measure GPU busy time: ``begin_window(busy=True)``
+With a ``KernelActivity`` (``scan.tracing.busy``) a window can also measure GPU busy time: ``begin_window(busy=True)``
 starts its CUDA-only profiler session after the window's synchronize and launches the first anchor kernel right
 before the reference event; ``end_window`` records an end event, launches the second anchor, and writes
 ``args.busy_us`` (the union of this process's non-communication kernels between the span's two events) on every
@@ -38,9 +38,9 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_megatron.scan.busy import BusyTimeline, KernelActivity, busy_timeline
-from lightning_megatron.scan.clock import now_us
-from lightning_megatron.scan.format import complete
+from lightning_megatron.scan.analysis.format import complete
+from lightning_megatron.scan.tracing.busy import BusyTimeline, KernelActivity, busy_timeline
+from lightning_megatron.scan.tracing.clock import now_us
 
 __all__ = ["SpanRecorder", "Span"]
 
@@ -116,7 +116,7 @@ class SpanRecorder:
         self._used = 0
         if self.use_cuda:
             torch.cuda.synchronize()
-            # after the synchronize, so that the first record of the session is the anchor (scan.busy)
+            # after the synchronize, so that the first record of the session is the anchor (scan.tracing.busy)
             self._busy_on = busy and self._start_busy()
             self._ref_host = now_us()
             self._ref_event = self._stamp(host=False)

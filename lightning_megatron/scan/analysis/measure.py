@@ -1,9 +1,9 @@
-"""What the MegaScan rank files say each rank did: per-rank, per-step measurements for ``scan.detect``.
+"""What the MegaScan rank files say each rank did: per-rank, per-step measurements for ``scan.analysis.detect``.
 
 The contract: rank files in, numbers out. Reading a trace directory gives one ``RankTrace`` per rank (its
 coordinates, host, clock offset to rank 0 and spans of the finished steps analysed); the functions below turn
 those into what detection compares, and every one of them only measures: which numbers are slow is decided in
-``scan.detect``. Problems with the input (missing or cut rank files, unfinished steps, unmatched sends) are
+``scan.analysis.detect``. Problems with the input (missing or cut rank files, unfinished steps, unmatched sends) are
 appended to a ``notes`` list, in the order they are found, for the report's warnings.
 
 * **clocks**: a rank's offset to rank 0 (its *aligned* clock) is the median ``offset_us`` of its
@@ -30,10 +30,10 @@ appended to a ``notes`` list, in the order they are found, for the report's warn
   part of the spans still moves, and who waited for whom without any clock alignment;
 * **host-paced spans** (``host_paced``): on GPUs, a span its GPU reached as soon as it was queued and its host
   took most of to queue lasted as long as the host took: transfers and layer parts leave such spans out (what
-  the GPU recorder's queue and busy fields say per rank is in ``scan.gpu_measure``);
+  the GPU recorder's queue and busy fields say per rank is in ``scan.analysis.gpu_measure``);
 * ``summarize``, ``net_compute`` and ``collective_arrivals`` fill each rank's ``RankSummary`` (medians per step).
 
-How long each rank waited per step, for its loader, its host or the other ranks, is measured in ``scan.waits``.
+How long each rank waited per step, for its loader, its host or the other ranks, is measured in ``scan.analysis.waits``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_megatron.scan.format import RANK_FILE_PATTERN, list_rank_files, read_rank_file
-from lightning_megatron.scan.report import RankSummary
+from lightning_megatron.scan.analysis.format import RANK_FILE_PATTERN, list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.report import RankSummary
 
 __all__ = [
     "Link",
@@ -72,6 +72,7 @@ __all__ = [
     "read_traces",
     "StepTotal",
     "step_totals",
+    "unjudged_ranks",
     "summarize",
     "transfer_us",
     "waits_for_others",
@@ -94,6 +95,8 @@ class RankTrace:
     host: str = "?"
     device: str = "?"  # ``cuda:0``, ``cpu``: as the trainer's root device names it
     world_size: Optional[int] = None
+    granularity: Optional[str] = None  # what MegaScan traced at, and why (chosen per job, or set)
+    granularity_reason: Optional[str] = None
     offsets: list[float] = field(default_factory=list)
     uncertainties: list[float] = field(default_factory=list)
     spans: list[dict[str, Any]] = field(default_factory=list)
@@ -128,7 +131,7 @@ def read_traces(trace_dir: Path, notes: list[str], since_step: Optional[int] = N
             warnings.simplefilter("always")
             traces[rank] = _read(path, rank, since_step)
         notes += [str(w.message) for w in caught]
-    world = max([t.world_size for t in traces.values() if t.world_size] + [max(traces) + 1])
+    world = _world_size(traces)
     missing = sorted(set(range(world)) - set(traces))
     if missing:
         notes.append(f"no trace for rank(s) {', '.join(map(str, missing))} of {world}")
@@ -136,6 +139,29 @@ def read_traces(trace_dir: Path, notes: list[str], since_step: Optional[int] = N
     if no_clock and len(traces) > 1:
         notes.append(f"no megascan.clock record for rank(s) {', '.join(map(str, no_clock))}: offset 0 assumed")
     return traces
+
+
+def _world_size(traces: dict[int, RankTrace]) -> int:
+    """The job's size: what the rank records say, or at least the highest rank read plus one."""
+    return max([t.world_size for t in traces.values() if t.world_size] + [max(traces) + 1])
+
+
+def unjudged_ranks(traces: dict[int, RankTrace], had_spans: dict[int, bool]) -> dict[int, str]:
+    """The ranks of the job that no rule can judge, each with why: no trace file, a file without events (empty or
+    cut short: a crash, a full disk), or no finished step to analyse. ``traces`` as ``keep_finished_steps`` left
+    them; ``had_spans``: per rank, whether its trace held any span before that.
+
+    Why: a rank without data is not a rank without trouble. The rules compare what they have, so without this a
+    job whose slow rank's trace was lost reads "nothing abnormal"; the report names these ranks instead."""
+    reasons = {rank: "no trace file" for rank in range(_world_size(traces)) if rank not in traces}
+    for rank, trace in traces.items():
+        if not trace.spans:
+            reasons[rank] = (
+                "no finished step to analyse in the trace"
+                if had_spans.get(rank)
+                else "no spans in the trace file: empty or cut short"
+            )
+    return dict(sorted(reasons.items()))
 
 
 def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:
@@ -158,6 +184,8 @@ def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:
                 trace.device = str(args.get("device", trace.device))
                 if args.get("world_size") is not None:
                     trace.world_size = int(args["world_size"])
+                trace.granularity = args.get("granularity", trace.granularity)
+                trace.granularity_reason = args.get("granularity_reason", trace.granularity_reason)
             elif event.get("name") == "megascan.clock" and "offset_us" in args:
                 trace.offsets.append(float(args["offset_us"]))
                 trace.uncertainties.append(float(args.get("uncertainty_us", 0.0)))

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-from lightning_megatron.scan.report import REPORT_FILE
+from lightning_megatron.scan.analysis.report import REPORT_FILE
 
 __all__ = ["OnlineDetection", "write_report"]
 
@@ -58,7 +58,7 @@ class OnlineDetection:
             appeared, recovered = self._changes(report, step)
             self._announce(report, appeared, recovered, step)
             if trainer.logger is not None:
-                from lightning_megatron.scan.report import log_to
+                from lightning_megatron.scan.analysis.report import log_to
 
                 log_to(trainer.logger, report, step)
                 if recovered:
@@ -68,7 +68,7 @@ class OnlineDetection:
         return bool(trainer.strategy.broadcast(stop, src=0))
 
     def _detect(self, trace_dir: Path, step: int) -> Any:
-        from lightning_megatron.scan.detect import detect
+        from lightning_megatron.scan.analysis.detect import detect
 
         since = max(step - self.detect_steps + 1, self.start_step)
         report = detect(trace_dir, since_step=since, **self.detect_options)
