@@ -90,6 +90,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from lightning_megatron.scan.attribution import attribute_busy, attribute_host
+from lightning_megatron.scan.bubbles import measure_bubbles
 from lightning_megatron.scan.compare import (
     compare_with_peers,
     later_steps_change,
@@ -179,6 +180,8 @@ def detect(
     traces = read_traces(trace_dir, notes, since_step)
     all_steps = keep_finished_steps(traces, skip_steps, notes)
 
+    # before the rules below: their notes keep their order, and measure_bubbles reads the traces only
+    bubbles = measure_bubbles(traces, []) or None
     per_rank = {rank: summarize(trace) for rank, trace in traces.items()}
     compute_samples, layer_samples = net_compute(traces, per_rank)
     collective_stats = collective_arrivals(traces, per_rank)
@@ -245,6 +248,7 @@ def detect(
         warnings=notes,
         params={"min_slowdown": min_slowdown, "min_z": min_z, "min_impact": min_impact, "skip_steps": skip_steps},
         steps=all_steps,
+        bubbles=bubbles,
     )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol, Union
 
-__all__ = ["KINDS", "REPORT_FILE", "DetectionReport", "RankSummary", "Suspect", "log_to"]
+__all__ = ["KINDS", "REPORT_FILE", "DetectionReport", "RankSummary", "Suspect", "bubble_lines", "log_to"]
 
 REPORT_FILE = "megascan-report.json"  # MegaScan's report, beside the rank files (the TensorBoard plugin reads it)
 
@@ -78,6 +78,8 @@ class DetectionReport:
     warnings: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)
+    bubbles: Optional[dict[str, Any]] = None
+    """Pipeline bubbles apart from transfers (``scan.bubbles.measure_bubbles``); None without pipeline messages."""
 
     @property
     def abnormal(self) -> bool:
@@ -91,6 +93,7 @@ class DetectionReport:
             "warnings": list(self.warnings),
             "params": dict(self.params),
             "steps": list(self.steps),
+            "bubbles": self.bubbles,
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -107,6 +110,7 @@ class DetectionReport:
             warnings=list(data.get("warnings", [])),
             params=dict(data.get("params", {})),
             steps=list(data.get("steps", [])),
+            bubbles=data.get("bubbles"),
         )
 
     def table(self, per_rank: bool = False) -> str:
@@ -151,8 +155,40 @@ class DetectionReport:
                 for r in sorted(self.per_rank.values(), key=lambda r: r.rank)
             ]
             lines += [""] + _format_rows(header, rows)
+        if self.bubbles:
+            lines += [""] + bubble_lines(self.bubbles)
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def bubble_lines(bubbles: dict[str, Any]) -> list[str]:
+    """The pipeline bubbles per stage (``scan.bubbles``) as text: bubble (waiting for the peer) and transfer time
+    per step, and the bubble fraction beside the schedule's theoretical one."""
+    theory = bubbles.get("theoretical_fraction")
+    measured = bubbles.get("measured_fraction")
+    m = bubbles.get("microbatches")
+    lines = [
+        f"pipeline bubbles ({bubbles.get('schedule')}, P={bubbles.get('pipeline_size')}, "
+        f"V={bubbles.get('virtual_pipeline_size')}, M={'?' if m is None else f'{m:g}'}): bubble fraction "
+        f"{'n/a' if measured is None else f'{100 * measured:.1f}%'} measured vs "
+        f"{'n/a' if theory is None else f'{100 * theory:.1f}%'} in theory {bubbles.get('theoretical_formula', '')}; "
+        f"clock alignment ±{bubbles.get('clock_uncertainty_us', 0):.0f} us"
+    ]
+    header = ("stage", "ranks", "bubble ms/step", "(range)", "transfer ms/step", "pipeline ms", "bubble", "transfer")
+    rows = [
+        (
+            f"pp{s['stage']}",
+            ",".join(str(r) for r in s["ranks"]),
+            _fmt(s["bubble_ms"]),
+            f"{_fmt(s['bubble_ms_low'])}-{_fmt(s['bubble_ms_high'])}",
+            _fmt(s["transfer_ms"]),
+            _fmt(s["pipeline_ms"]),
+            "" if s["bubble_fraction"] is None else f"{100 * s['bubble_fraction']:.1f}%",
+            "" if s["transfer_fraction"] is None else f"{100 * s['transfer_fraction']:.1f}%",
+        )
+        for s in bubbles.get("stages", [])
+    ]
+    return lines + _format_rows(header, rows)
 
 
 def _fmt(value: Optional[float]) -> str:
