@@ -18,7 +18,8 @@ host's enqueue), so the matching send's post time on the peer splits the receive
   and the rank waited for it in the gap since its previous span, which therefore counts as the receive's post.
 
 Per link (sender → receiver, direction, and the sender's model chunk under virtual pipelining) the figures are per
-receive. The split rests on two clocks: each cross-rank difference is known within the ± bound of the two ranks'
+receive: its own wait for the send, and the transfer of its span (in a span of several operations, which one's
+bytes took the time cannot be told apart; its waits for other peers stay bubbles). The split rests on two clocks: each cross-rank difference is known within the ± bound of the two ranks'
 offsets (``hypot`` of their ``uncertainty_us``), so every bubble is also given at the peers' clocks shifted by
 −bound and +bound (``bubble_ms_low`` / ``bubble_ms_high``): a range, not a guess, when the alignment is loose.
 
@@ -130,9 +131,7 @@ def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = N
                     posts[key][way] = (rank, index, start, op)
     if not posts:
         return {}
-    links: dict[tuple[int, int, str, Optional[int]], dict[int, list[tuple[float, float]]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
+    received: list[tuple[tuple[int, int, str, Optional[int]], int, int, float]] = []  # (link, step, span, bubble)
     waits: dict[tuple[int, int], list[tuple[float, float, bool]]] = defaultdict(list)
     unmatched = 0
     worst_bound = 0.0
@@ -149,16 +148,22 @@ def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = N
         send_end = per_rank[src].spans[send_index][2]
         if recv_post < send_end:  # the receiver came during the send (or before it): the send may have waited
             waits[(src, send_index)].append((recv_post - send_post, bound, True))
-        recv_step, recv_start, recv_end, _ = per_rank[dst].spans[recv_index]
-        dur = recv_end - recv_start
-        bubble = min(max(send_post - recv_post, 0.0), dur)
+        _, recv_start, recv_end, _ = per_rank[dst].spans[recv_index]
+        bubble = min(max(send_post - recv_post, 0.0), recv_end - recv_start)
         chunk = send_op.get("chunk")
         if chunk is None and send_op.get("stage") is not None:  # MegaDPP names the producing global stage
             chunk = int(send_op["stage"]) // pipeline
-        links[(src, dst, direction, None if chunk is None else int(chunk))][step].append((bubble, dur - bubble))
+        received.append(((src, dst, direction, None if chunk is None else int(chunk)), step, recv_index, bubble))
     if unmatched:
         notes.append(f"bubbles: {unmatched} p2p message(s) without both ends traced, left out")
     splits = {rank: _split(rank, p2p, waits) for rank, p2p in per_rank.items()}
+    # per link: the receive's own wait, and its span's transfer (in a span of several operations the bytes of any
+    # of them may be what took the time; the span's waits for its other peers are bubbles, not this link's bytes)
+    links: dict[tuple[int, int, str, Optional[int]], dict[int, list[tuple[float, float]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for link, step, recv_index, bubble in received:
+        links[link][step].append((bubble, splits[link[1]][recv_index].transfer))
     return _summarise(traces, splits, links, worst_bound, notes)
 
 
