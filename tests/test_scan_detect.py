@@ -346,6 +346,7 @@ def test_module_boundaries() -> None:
     expected = {
         "detect": {
             "attribution",
+            "bubbles",
             "compare",
             "compute_rules",
             "cpu_rules",
@@ -361,6 +362,7 @@ def test_module_boundaries() -> None:
         "stage_rules": {"compare", "compute_rules", "measure", "report", "waits"},
         "measure": {"format", "report"},
         "waits": {"measure"},
+        "bubbles": {"measure", "report"},
         "gpu_measure": {"measure"},
         "compare": set(),
         "report": set(),

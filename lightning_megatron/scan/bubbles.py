@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_megatron.scan.measure import RankTrace, keep_finished_steps, read_traces, step_of
+from lightning_megatron.scan.report import bubble_lines
 
 __all__ = ["P2PSplit", "measure_bubbles", "pipeline_bubbles", "register_cli", "theoretical_fraction"]
 
@@ -383,8 +384,6 @@ def pipeline_bubbles(
 
 def table(bubbles: dict[str, Any], links: bool = False) -> str:
     """The text form of ``measure_bubbles``'s result (the report's table prints the same stage rows)."""
-    from lightning_megatron.scan.report import bubble_lines
-
     lines = bubble_lines(bubbles)
     if links and bubbles.get("links"):
         lines.append("")
