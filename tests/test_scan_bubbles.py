@@ -18,7 +18,7 @@ from lightning_megatron.scan.bubbles import pipeline_bubbles, theoretical_fracti
 from lightning_megatron.scan.cli import main as scan_cli
 from lightning_megatron.scan.detect import detect
 from lightning_megatron.scan.format import clock_metadata, complete, rank_file_name, rank_metadata
-from lightning_megatron.scan.report import DetectionReport
+from lightning_megatron.scan.report import DetectionReport, log_to
 from lightning_megatron.scan.synthetic import generate_traces
 
 # -- hand-written traces: the rule itself ---------------------------------------------------------------------------
@@ -73,6 +73,16 @@ def test_a_receive_posted_first_waits_for_the_send_then_moves_the_bytes(tmp_path
     (link,) = bubbles["links"]
     assert (link["src"], link["dst"], link["direction"], link["messages"]) == (0, 1, "forward", 1)
     assert link["bubble_ms"] == pytest.approx(0.2) and link["transfer_ms_per_message"] == pytest.approx(0.3)
+
+
+def test_loose_clocks_are_said_and_bound_the_bubble(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [("forward-send", "p2p", 300.0, 550.0, _send(1))], uncertainty=400.0)
+    _write(tmp_path, 1, [("forward-recv", "p2p", 100.0, 600.0, _recv(0))], uncertainty=400.0)
+    bubbles = pipeline_bubbles(tmp_path)
+    (note,) = bubbles["warnings"]
+    assert "aligned within ±566 us, more than a message's median transfer (300 us)" in note
+    receiver = bubbles["ranks"]["1"]  # the range never leaves [0, the receive's duration]
+    assert (receiver["bubble_ms_low"], receiver["bubble_ms"], receiver["bubble_ms_high"]) == (0.0, 0.2, 0.5)
 
 
 def test_sends_wait_only_for_a_receiver_that_came_during_them(tmp_path: Path) -> None:
@@ -183,6 +193,9 @@ def test_report_json_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     assert again.bubbles == json.loads(json.dumps(report.bubbles))
     text = report.table()
     assert "pipeline bubbles (1f1b, P=2, V=1, M=4)" in text and "in theory (P-1)/(M+P-1)" in text
+    metrics = log_to(Logger(), report, step=3)
+    assert metrics["megascan/pp1_bubble_ms"] == report.bubbles["stages"][1]["bubble_ms"]
+    assert {"megascan/pp0_transfer_ms", "megascan/pp0_bubble_fraction"} <= metrics.keys()
     assert scan_cli(["bubbles", str(tmp_path / "pp"), "--links", "--json", str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert "bubble ms/step" in out and "forward 0->2 (pp0->pp1)" in out
@@ -192,6 +205,11 @@ def test_report_json_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     assert scan_cli(["bubbles", str(tmp_path / "dp")]) == 1
     assert "need pipeline parallelism" in capsys.readouterr().out
     assert scan_cli(["bubbles", str(tmp_path / "none")]) == 2
+
+
+class Logger:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
 
 
 # -- real fits on gloo ranks -----------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = N
     """The bubbles of ``traces`` (finished steps only: ``measure.keep_finished_steps``) as a JSON-ready dict:
     ``stages`` (per pipeline stage), ``ranks`` (per rank and step), ``links`` (per sender → receiver) and the
     schedule's theoretical fraction; an empty dict where the traces hold no pipeline messages."""
-    notes = notes if notes is not None else []
+    own: list[str] = []  # the bubbles' own warnings: in the result, and appended to ``notes``
     per_rank = {rank: _RankP2P() for rank in traces}
     posts: dict[tuple[int, int, str, int, int], dict[str, tuple[int, int, float, dict[str, Any]]]] = defaultdict(dict)
     arrival = {rank for rank, t in traces.items() if t.info.get("schedule") in _ARRIVAL_SCHEDULES}
@@ -156,7 +156,7 @@ def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = N
             chunk = int(send_op["stage"]) // pipeline
         received.append(((src, dst, direction, None if chunk is None else int(chunk)), step, recv_index, bubble))
     if unmatched:
-        notes.append(f"bubbles: {unmatched} p2p message(s) without both ends traced, left out")
+        own.append(f"bubbles: {unmatched} p2p message(s) without both ends traced, left out")
     splits = {rank: _split(rank, p2p, waits) for rank, p2p in per_rank.items()}
     # per link: the receive's own wait, and its span's transfer (in a span of several operations the bytes of any
     # of them may be what took the time; the span's waits for its other peers are bubbles, not this link's bytes)
@@ -165,7 +165,10 @@ def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = N
     )
     for link, step, recv_index, bubble in received:
         links[link][step].append((bubble, splits[link[1]][recv_index].transfer))
-    return _summarise(traces, splits, links, worst_bound, notes)
+    found = _summarise(traces, splits, links, worst_bound, own)
+    if notes is not None:
+        notes += own
+    return found
 
 
 def _previous_ends(trace: RankTrace) -> dict[int, float]:
@@ -306,6 +309,12 @@ def _summarise(
             }
         )
     measured = _median(s["bubble_fraction"] for s in stages if s["bubble_fraction"] is not None)
+    typical = _median(t for per_step in links.values() for ms in per_step.values() for _, t in ms)
+    if typical is not None and worst_bound > typical:
+        notes.append(
+            f"bubbles: the clocks are aligned within ±{worst_bound:.0f} us, more than a message's median transfer "
+            f"({typical:.0f} us): bubble and transfer are known only within bubble_ms_low..bubble_ms_high"
+        )
     link_rows = []
     for (src, dst, direction, chunk), per_step in sorted(links.items(), key=lambda kv: _link_order(kv[0])):
         messages = [m for ms in per_step.values() for m in ms]
@@ -337,6 +346,7 @@ def _summarise(
         "stages": stages,
         "links": link_rows,
         "ranks": ranks,
+        "warnings": notes,
     }
 
 
@@ -429,7 +439,8 @@ def _run_cli(args: argparse.Namespace) -> int:
         print(f"error: {err}")
         return 2
     for note in notes:
-        print(f"warning: {note}")
+        if note not in found.get("warnings", []):  # the table prints those
+            print(f"warning: {note}")
     if not found:
         print(f"no pipeline messages in {args.trace_dir}: bubbles need pipeline parallelism (PP > 1)")
         return 1

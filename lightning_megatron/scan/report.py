@@ -188,7 +188,7 @@ def bubble_lines(bubbles: dict[str, Any]) -> list[str]:
         )
         for s in bubbles.get("stages", [])
     ]
-    return lines + _format_rows(header, rows)
+    return lines + _format_rows(header, rows) + [f"note: {w}" for w in bubbles.get("warnings", [])]
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -263,13 +263,18 @@ def log_to(logger: _MetricsLogger, report: DetectionReport, step: Optional[int] 
     """Log the report through a Lightning-logger-like object (``log_metrics(dict, step)``); returns the metrics.
 
     ``megascan/rank{R}_step_ms`` and ``megascan/rank{R}_compute_ms`` per rank, ``megascan/suspects`` (count),
-    ``megascan/max_slowdown``, and ``megascan/rank{R}_{kind}_slowdown`` per suspect."""
+    ``megascan/max_slowdown``, ``megascan/rank{R}_{kind}_slowdown`` per suspect, and with pipeline bubbles
+    ``megascan/pp{S}_bubble_ms``, ``..._transfer_ms`` and ``..._bubble_fraction`` per stage."""
     metrics: dict[str, float] = {}
     for rank, summary in sorted(report.per_rank.items()):
         if summary.step_ms is not None:
             metrics[f"megascan/rank{rank}_step_ms"] = float(summary.step_ms)
         if summary.compute_ms is not None:
             metrics[f"megascan/rank{rank}_compute_ms"] = float(summary.compute_ms)
+    for stage in (report.bubbles or {}).get("stages", []):  # pipeline bubbles apart from transfers, per stage
+        for key in ("bubble_ms", "transfer_ms", "bubble_fraction"):
+            if stage.get(key) is not None:
+                metrics[f"megascan/pp{stage['stage']}_{key}"] = float(stage[key])
     metrics["megascan/suspects"] = float(len(report.suspects))
     metrics["megascan/max_slowdown"] = max((s.slowdown for s in report.suspects), default=0.0)
     for s in report.suspects:
