@@ -8,6 +8,8 @@ and on which stage or link they land, not on precise figures."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -73,6 +75,7 @@ def test_a_receive_posted_first_waits_for_the_send_then_moves_the_bytes(tmp_path
     (link,) = bubbles["links"]
     assert (link["src"], link["dst"], link["direction"], link["messages"]) == (0, 1, "forward", 1)
     assert link["bubble_ms"] == pytest.approx(0.2) and link["transfer_ms_per_message"] == pytest.approx(0.3)
+    assert link["steps"] == {"1": {"bubble_ms": 0.2, "transfer_ms": 0.3}}
 
 
 def test_loose_clocks_are_said_and_bound_the_bubble(tmp_path: Path) -> None:
@@ -141,6 +144,18 @@ def test_megadpp_arrivals_count_the_wait_since_the_previous_span(tmp_path: Path)
     assert bubbles["ranks"]["1"]["bubble_ms"] == pytest.approx(0.2)
     assert bubbles["ranks"]["1"]["transfer_ms"] == pytest.approx(0.201)
     assert bubbles["schedule"] == "dpp" and "MegaDPP" in bubbles["theoretical_formula"]
+
+
+def test_bubbles_import_no_torch() -> None:
+    """Analysis only: the TensorBoard plugin and machines without torch run it (through ``scan.detect`` too)."""
+    code = (
+        "import sys\n"
+        "import lightning_megatron.scan.bubbles, lightning_megatron.scan.detect\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'megatron'))\n"
+        "assert not heavy, heavy[:10]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_theoretical_fractions() -> None:

@@ -2,11 +2,12 @@
 
 * ``MegaScan`` (callback): traces windows of steps on every rank into Chrome Trace Event Format files.
 * ``lightning-megatron scan aggregate|detect`` (``scan.aggregate``, ``scan.detect``): merge, diagnose.
+* ``lightning-megatron scan bubbles`` (``scan.bubbles``): pipeline bubbles apart from transfers, per stage and link.
 * ``SlowdownInjector`` / ``LinkDelayInjector`` (callbacks): reproduce a slow GPU or link, for evaluation.
 
 The callbacks need torch and are loaded on first access (PEP 562 ``__getattr__``): the offline tools
-(``format``, ``aggregate``, ``detect``, ``report``, ``synthetic``) read JSON only and must stay importable without
-torch, for the TensorBoard plugin and for machines that only analyse traces.
+(``format``, ``aggregate``, ``detect``, ``bubbles``, ``report``, ``synthetic``) read JSON only and must stay
+importable without torch, for the TensorBoard plugin and for machines that only analyse traces.
 """
 
 from __future__ import annotations

@@ -331,6 +331,10 @@ def _summarise(
                 "transfer_ms": _ms(_median(sum(t for _, t in ms) for ms in per_step.values())),
                 "transfer_ms_per_message": _ms(_median(t for _, t in messages)),
                 "bubble_ms_per_message": _ms(_median(b for b, _ in messages)),
+                "steps": {
+                    str(step): {"bubble_ms": _ms(sum(b for b, _ in ms)), "transfer_ms": _ms(sum(t for _, t in ms))}
+                    for step, ms in sorted(per_step.items())
+                },
             }
         )
     return {
