@@ -73,16 +73,8 @@ class P2PSplit:
 
 
 @dataclass
-class _Op:
-    span: int  # index into the rank's p2p spans
-    peer_post: Optional[float] = None
-    bound: float = 0.0
-
-
-@dataclass
 class _RankP2P:
     spans: list[tuple[int, float, float, dict[str, Any]]] = field(default_factory=list)  # (step, start, end, args)
-    waits: list[list[tuple[float, float, bool]]] = field(default_factory=list)  # per span: (wait, bound, is_send)
 
 
 def theoretical_fraction(
