@@ -1,8 +1,8 @@
 """Write the API reference: one page per module of ``lightning_megatron``, found by walking the package.
 
 Run by mkdocs-gen-files (``mkdocs.yml``) at every build, so a module that is added, moved or split appears in the
-reference and its navigation without editing any page: the page of ``lightning_megatron/scan/callback.py`` is
-``reference/lightning_megatron/scan/callback.md`` and holds ``::: lightning_megatron.scan.callback``. Private
+reference and its navigation without editing any page: the page of ``lightning_megatron/scan/tracing/callback.py`` is
+``reference/lightning_megatron/scan/tracing/callback.md`` and holds ``::: lightning_megatron.scan.tracing.callback``. Private
 modules (a name that starts with ``_``, compiled extensions) and ``__main__`` are left out; a package's page is
 its ``__init__``.
 """

@@ -340,7 +340,7 @@ def test_module_boundaries() -> None:
     comparing and reporting import nothing."""
     rule = {"compare", "report", "rules_common"}
     expected = {
-        "detect": {"measure", "report", "rules", "rules_common"},
+        "detect": {"bubbles", "measure", "report", "rules", "rules_common"},
         "rules": {
             "attribution",
             "compute_rules",
@@ -360,6 +360,7 @@ def test_module_boundaries() -> None:
         "wait_rules": rule | {"measure", "stage_rules", "waits"},
         "measure": {"format", "report"},
         "waits": {"measure"},
+        "bubbles": {"measure", "report"},
         "gpu_measure": {"measure"},
         "compare": set(),
         "report": set(),

@@ -125,6 +125,8 @@ def test_suspects_route_names_the_slowed_rank(client: Client) -> None:
     top = saved["report"]["suspects"][0]
     assert (top["rank"], top["kind"]) == (SLOW_MAIN, "compute")
     assert top["evidence"]["impact_ms"] > 0 and top["slowdown"] > 0.3
+    stages = saved["report"]["bubbles"]["stages"]  # PP2: the pipeline bubbles of each stage (scan.analysis.bubbles)
+    assert [s["stage"] for s in stages] == [0, 1] and all(s["bubble_ms"] > 0 for s in stages)
 
     missing = get_json(client, f"/suspects?run={OTHER}")
     assert missing["source"] is None and missing["report"] is None
@@ -183,7 +185,7 @@ def test_index_js_is_served(client: Client) -> None:
     response = client.get("/index.js")
     assert response.status_code == 200 and response.mimetype == "application/javascript"
     assert "export async function render" in response.get_data(as_text=True)
-    for module in ("common.js", "heatmap.js", "timeline.js"):  # what index.js imports
+    for module in ("common.js", "heatmap.js", "timeline.js", "bubbles.js"):  # what index.js imports
         assert client.get(f"/{module}").status_code == 200
 
 
@@ -310,6 +312,10 @@ def test_tab_renders_in_chromium(tensorboard: str, tmp_path: Path) -> None:
             assert row.locator("td").first.inner_text() == str(SLOW_MAIN)
             assert "compute" in row.inner_text()
             assert "step 3" in tab.locator("#megascan-timeline").inner_text()
+            bubbles = tab.locator("#megascan-bubbles-table tr.ms-bubble-stage")  # one row a pipeline stage
+            assert bubbles.count() == 2 and bubbles.first.locator("td").first.inner_text() == "pp0"
+            summary = tab.locator("#megascan-bubbles-summary").inner_text()
+            assert "bubble fraction" in summary and "in theory (P-1)/(M+P-1)" in summary, summary
             shot = tmp_path / "tab.png"
             page.screenshot(path=str(shot))
         finally:

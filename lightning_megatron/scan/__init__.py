@@ -7,7 +7,7 @@ Three subpackages, split along what they need:
   online detection. It writes Chrome Trace Event Format rank files.
 * ``scan.analysis`` (torch-free, JSON only): reading rank files (``format``), measuring (``measure``, ``waits``,
   ``gpu_measure``), statistics (``compare``), the detection rules and their pipeline (``rules``, ``detect``),
-  the report, merging (``aggregate``), validation and plots. The TensorBoard plugin and machines that only
+  the report, pipeline bubbles apart from transfers (``bubbles``), merging (``aggregate``), validation and plots. The TensorBoard plugin and machines that only
   analyse traces import this alone; a test keeps it free of torch.
 * ``scan.evaluation``: what detection is evaluated against: injected slowdowns (``SlowdownInjector``,
   ``LinkDelayInjector``), outside faults (``faults``) and the synthetic trace generator (``synthetic``).

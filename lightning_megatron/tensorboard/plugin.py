@@ -40,7 +40,8 @@ __all__ = ["PLUGIN_NAME", "MegaScanPlugin"]
 
 PLUGIN_NAME = "megascan"
 STATIC_DIR = Path(__file__).parent / "static"
-STATIC_FILES = ("index.js", "common.js", "heatmap.js", "timeline.js")  # the tab's ES modules, served as they are
+# the tab's ES modules, served as they are
+STATIC_FILES = ("index.js", "common.js", "heatmap.js", "timeline.js", "bubbles.js")
 INACTIVE_RECHECK_S = 10.0  # an inactive verdict is reused this long (a run may start writing any time)
 _TRUE = ("1", "true", "yes")
 

@@ -86,6 +86,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_megatron.scan.analysis.bubbles import measure_bubbles
 from lightning_megatron.scan.analysis.measure import keep_finished_steps, read_traces, unjudged_ranks
 from lightning_megatron.scan.analysis.report import DetectionReport
 from lightning_megatron.scan.analysis.rules import run_rules
@@ -120,6 +121,8 @@ def detect(
     traces = read_traces(trace_dir, notes, since_step)
     had_spans = {rank: bool(trace.spans) for rank, trace in traces.items()}
     all_steps = keep_finished_steps(traces, skip_steps, notes)
+    # before the rules: their notes keep their order, and measure_bubbles only reads the traces
+    bubbles = measure_bubbles(traces, []) or None
     context = DetectionContext.measure(traces, notes, min_slowdown=min_slowdown, min_z=min_z, min_impact=min_impact)
     suspects = run_rules(context)
 
@@ -139,6 +142,7 @@ def detect(
         },
         steps=all_steps,
         unjudged_ranks=unjudged_ranks(traces, had_spans),
+        bubbles=bubbles,
     )
 
 

@@ -13,7 +13,7 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
 
 * metadata (``ph: "M"``): ``process_name``, ``process_sort_index``, ``thread_name`` (Chrome's own), and
   ``megascan.rank`` (``args``: rank, world_size, dp, pp, tp, host, clock_domain, device, backend, granularity,
-  pipeline_size, tensor_size, data_parallel_size, virtual_pipeline_size, start_step) and
+  pipeline_size, tensor_size, data_parallel_size, virtual_pipeline_size, schedule, start_step) and
   ``megascan.clock`` (``args``: offset_us, uncertainty_us, at_us, round_trips): several, one per measurement.
 * complete events (``ph: "X"``, with ``ts`` and ``dur``), ``cat`` and ``args`` by kind:
 

@@ -102,6 +102,7 @@ class RankTrace:
     spans: list[dict[str, Any]] = field(default_factory=list)
     offset_us: float = 0.0
     uncertainty_us: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)  # its ``megascan.rank`` record (layout, schedule, ...)
 
     @property
     def eager_in_place_of_replays(self) -> bool:
@@ -177,6 +178,7 @@ def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:
         elif phase == "M":
             args = event.get("args") or {}
             if event.get("name") == "megascan.rank":
+                trace.info = dict(args)
                 trace.dp = int(args.get("dp", trace.dp))
                 trace.pp = int(args.get("pp", trace.pp))
                 trace.tp = int(args.get("tp", trace.tp))

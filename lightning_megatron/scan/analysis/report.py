@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol, Union
 
-__all__ = ["KINDS", "REPORT_FILE", "DetectionReport", "RankSummary", "Suspect", "log_to"]
+__all__ = ["KINDS", "REPORT_FILE", "DetectionReport", "RankSummary", "Suspect", "bubble_lines", "log_to"]
 
 REPORT_FILE = "megascan-report.json"  # MegaScan's report, beside the rank files (the TensorBoard plugin reads it)
 
@@ -81,6 +81,8 @@ class DetectionReport:
     params: dict[str, Any] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)
     unjudged_ranks: dict[int, str] = field(default_factory=dict)
+    bubbles: Optional[dict[str, Any]] = None
+    """Pipeline bubbles apart from transfers (``scan.analysis.bubbles.measure_bubbles``); None without pipeline messages."""
 
     @property
     def abnormal(self) -> bool:
@@ -105,6 +107,7 @@ class DetectionReport:
             "params": dict(self.params),
             "steps": list(self.steps),
             "unjudged_ranks": {str(rank): why for rank, why in sorted(self.unjudged_ranks.items())},
+            "bubbles": self.bubbles,
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -122,6 +125,7 @@ class DetectionReport:
             params=dict(data.get("params", {})),
             steps=list(data.get("steps", [])),
             unjudged_ranks={int(rank): why for rank, why in data.get("unjudged_ranks", {}).items()},
+            bubbles=data.get("bubbles"),
         )
 
     def table(self, per_rank: bool = False) -> str:
@@ -179,6 +183,8 @@ class DetectionReport:
                 for r in sorted(self.per_rank.values(), key=lambda r: r.rank)
             ]
             lines += [""] + _format_rows(header, rows)
+        if self.bubbles:
+            lines += [""] + bubble_lines(self.bubbles)
         return "\n".join(lines)
 
 
@@ -191,6 +197,36 @@ def _grouped(reasons: dict[int, str]) -> dict[str, list[int]]:
 
 def _ranks_text(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def bubble_lines(bubbles: dict[str, Any]) -> list[str]:
+    """The pipeline bubbles per stage (``scan.analysis.bubbles``) as text: bubble (waiting for the peer) and transfer time
+    per step, and the bubble fraction beside the schedule's theoretical one."""
+    theory = bubbles.get("theoretical_fraction")
+    measured = bubbles.get("measured_fraction")
+    m = bubbles.get("microbatches")
+    lines = [
+        f"pipeline bubbles ({bubbles.get('schedule')}, P={bubbles.get('pipeline_size')}, "
+        f"V={bubbles.get('virtual_pipeline_size')}, M={'?' if m is None else f'{m:g}'}): bubble fraction "
+        f"{'n/a' if measured is None else f'{100 * measured:.1f}%'} measured vs "
+        f"{'n/a' if theory is None else f'{100 * theory:.1f}%'} in theory {bubbles.get('theoretical_formula', '')}; "
+        f"clock alignment ±{bubbles.get('clock_uncertainty_us', 0):.0f} us"
+    ]
+    header = ("stage", "ranks", "bubble ms/step", "(range)", "transfer ms/step", "pipeline ms", "bubble", "transfer")
+    rows = [
+        (
+            f"pp{s['stage']}",
+            ",".join(str(r) for r in s["ranks"]),
+            _fmt(s["bubble_ms"]),
+            f"{_fmt(s['bubble_ms_low'])}-{_fmt(s['bubble_ms_high'])}",
+            _fmt(s["transfer_ms"]),
+            _fmt(s["pipeline_ms"]),
+            "" if s["bubble_fraction"] is None else f"{100 * s['bubble_fraction']:.1f}%",
+            "" if s["transfer_fraction"] is None else f"{100 * s['transfer_fraction']:.1f}%",
+        )
+        for s in bubbles.get("stages", [])
+    ]
+    return lines + _format_rows(header, rows) + [f"note: {w}" for w in bubbles.get("warnings", [])]
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -265,13 +301,18 @@ def log_to(logger: _MetricsLogger, report: DetectionReport, step: Optional[int] 
     """Log the report through a Lightning-logger-like object (``log_metrics(dict, step)``); returns the metrics.
 
     ``megascan/rank{R}_step_ms`` and ``megascan/rank{R}_compute_ms`` per rank, ``megascan/suspects`` (count),
-    ``megascan/max_slowdown``, and ``megascan/rank{R}_{kind}_slowdown`` per suspect."""
+    ``megascan/max_slowdown``, ``megascan/rank{R}_{kind}_slowdown`` per suspect, and with pipeline bubbles
+    ``megascan/pp{S}_bubble_ms``, ``..._transfer_ms`` and ``..._bubble_fraction`` per stage."""
     metrics: dict[str, float] = {}
     for rank, summary in sorted(report.per_rank.items()):
         if summary.step_ms is not None:
             metrics[f"megascan/rank{rank}_step_ms"] = float(summary.step_ms)
         if summary.compute_ms is not None:
             metrics[f"megascan/rank{rank}_compute_ms"] = float(summary.compute_ms)
+    for stage in (report.bubbles or {}).get("stages", []):  # pipeline bubbles apart from transfers, per stage
+        for key in ("bubble_ms", "transfer_ms", "bubble_fraction"):
+            if stage.get(key) is not None:
+                metrics[f"megascan/pp{stage['stage']}_{key}"] = float(stage[key])
     metrics["megascan/suspects"] = float(len(report.suspects))
     metrics["megascan/max_slowdown"] = max((s.slowdown for s in report.suspects), default=0.0)
     for s in report.suspects:

@@ -479,6 +479,7 @@ def generate_traces(
             "tensor_size": tp,
             "data_parallel_size": dp,
             "virtual_pipeline_size": None,
+            "schedule": "1f1b",
             "start_step": 0,
         }
         head = [json.dumps(e) for e in rank_metadata(rank, info)]

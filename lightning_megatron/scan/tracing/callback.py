@@ -337,6 +337,7 @@ class MegaScan(pl.Callback, StepListener):
             "tensor_size": layout.tensor,
             "data_parallel_size": parallel.data_parallel_size,
             "virtual_pipeline_size": layout.virtual_pipeline,
+            "schedule": getattr(strategy.schedule, "name", None),  # the bubbles' theory (scan.analysis.bubbles)
             "start_step": self.start_step,
             "interval": self.interval,
             "window": self.window,

@@ -1,10 +1,12 @@
 // MegaScan's TensorBoard tab: which rank slows a run down, and what every rank did in one step.
 //
 // TensorBoard loads this ES module in an iframe (data/plugin_entry.html, with <base href="plugin/megascan/">)
-// and calls render(). Plain ES modules (common.js, heatmap.js, timeline.js beside this one), DOM and canvas:
+// and calls render(). Plain ES modules (common.js, heatmap.js, timeline.js, bubbles.js beside this one), DOM and canvas:
 // no build step, nothing fetched from anywhere but the plugin's own routes. This module holds the page: the
-// run selector, the suspects table, the merged trace's download link and the hand-over to Perfetto.
+// run selector, the suspects table, the merged trace's download link and the hand-over to Perfetto; the pipeline
+// bubbles card (bubbles.js) draws from the same report.
 
+import { BubblesView } from "./bubbles.js";
 import { compactRanks, getJSON, h, num, pct, STYLE, Tooltip, url } from "./common.js";
 import { HeatmapView } from "./heatmap.js";
 import { TimelineView } from "./timeline.js";
@@ -65,7 +67,8 @@ class MegaScanApp {
     });
     this.suspectsBody = h("div", { id: "megascan-suspects-body" });
     this.suspects = h("section", { class: "ms-card", id: "megascan-suspects" }, h("h2", { text: "Suspects" }), this.suspectsBody);
-    this.main = h("div", { id: "megascan" }, header, note, this.suspects, this.heatmap.section, this.timeline.section);
+    this.bubbles = new BubblesView();
+    this.main = h("div", { id: "megascan" }, header, note, this.suspects, this.bubbles.section, this.heatmap.section, this.timeline.section);
     root.replaceChildren(this.main, this.tip.node);
     let pending = null;
     window.addEventListener("resize", () => {
@@ -171,6 +174,7 @@ class MegaScanApp {
     this.report = report;
     if (failure) this.suspectsBody.replaceChildren(h("p", { class: "ms-error", text: `cannot load the report: ${failure.message}` }));
     else this.renderSuspects();
+    this.bubbles.render(report && report.report);
     this.suspects.dataset.ready = "1";
     this.heatmap.draw();
     this.timeline.draw();
