@@ -98,9 +98,9 @@ def worker(
 
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data import SyntheticTokenDataModule
+    from lightning_megatron.layers.wgrad import split_linears
     from lightning_megatron.models import GPTModule
     from lightning_megatron.pipeline import get_schedule
-    from lightning_megatron.pipeline.wgrad import split_linears
     from lightning_megatron.scan.inject import SlowdownInjector
 
     on_cpu = args.cpu_dry_run or args.cpu

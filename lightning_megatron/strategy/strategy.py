@@ -39,8 +39,9 @@ from torch import Tensor
 
 from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sync
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.layers.install import TensorParallelLayers, symmetric_ar_option
+from lightning_megatron.layers.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline import get_schedule
-from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO, load_sharded, model_sharded_state_dict
 from lightning_megatron.strategy.chunks import ddp_options, install_config_hooks, unwrap, validated_chunks, wrap_ddp
 from lightning_megatron.strategy.collectives import (
@@ -69,7 +70,6 @@ from lightning_megatron.strategy.precision import MegatronPrecision, from_lightn
 from lightning_megatron.strategy.release import collect_previous_fits, release_training_state
 from lightning_megatron.strategy.step import StepOutput
 from lightning_megatron.strategy.stepping import StepRunner
-from lightning_megatron.strategy.tp_layers import TensorParallelLayers, symmetric_ar_option
 
 __all__ = ["MegatronAppStrategy"]
 
@@ -100,12 +100,12 @@ class MegatronAppStrategy(ParallelStrategy):
         gradient_accumulation_fusion: Compute every tensor-parallel linear layer's weight gradient as one GEMM
             that accumulates into the fp32 ``main_grad`` (GPUs, bf16/fp16), without the half-precision temporary
             and the separate add; what megatron-core's flag of that name does with apex, here without apex
-            (:mod:`lightning_megatron.pipeline.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
+            (:mod:`lightning_megatron.layers.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
             Unset: on with a CUDA-graphed step outside pipelines (one GPU, TP, DP), where it was measured
             faster (:func:`~lightning_megatron.strategy.graphs.resolve_accumulation_fusion`).
         tp_comm_overlap: Overlap the tensor-parallel all-gathers, reduce-scatters and all-reduces of every
             ``ColumnParallelLinear`` / ``RowParallelLinear`` with their GEMMs (chunked collective matmul over NCCL,
-            no Transformer Engine; :mod:`lightning_megatron.pipeline.tp_overlap`). Same results; ignored (with a
+            no Transformer Engine; :mod:`lightning_megatron.layers.tp_overlap`). Same results; ignored (with a
             warning) at TP 1.
         tp_comm_overlap_chunks: With ``tp_comm_overlap``: pieces the token dimension of each GEMM is cut into.
         symmetric_ar_type: ``"two_shot"`` or ``"one_shot"``: the tensor-parallel all-reduces (the row-parallel

@@ -19,7 +19,7 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
 * GPUs: the host queues at most ``max_ahead`` tasks ahead of its GPU (CUDA events), so a decision is made on
   fresh readiness, and the events time each task for the adaptive policy;
 * ``split_weight_grads`` (and the ``"zb-h1"`` schedule): a backward computes only input gradients (B, sent at
-  once) and leaves the weight gradients (W, :mod:`~lightning_megatron.pipeline.wgrad`) for later: W tasks
+  once) and leaves the weight gradients (W, :mod:`~lightning_megatron.layers.wgrad`) for later: W tasks
   run, oldest first, whenever the device would otherwise idle waiting for a message (on GPUs: the rank waits
   and its GPU has drained its queue), when a forward needs the memory, or when more than
   ``max_deferred_weight_grads`` are pending; a chunk's gradient sync starts after its last W.
@@ -62,6 +62,8 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config, get_model_type
 
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.layers.wgrad import SplitLinears, split_linears
+from lightning_megatron.layers.wgrad_accumulate import WeightGrad, collecting
 from lightning_megatron.pipeline.dpp.options import DppOptions
 from lightning_megatron.pipeline.dpp.plan import (
     ACTIVATION,
@@ -77,8 +79,6 @@ from lightning_megatron.pipeline.dpp.policy import Policy, StageState, make_poli
 from lightning_megatron.pipeline.gradsync import GradSync
 from lightning_megatron.pipeline.registry import ScheduleContext
 from lightning_megatron.pipeline.transports import open_transport
-from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
-from lightning_megatron.pipeline.wgrad_accumulate import WeightGrad, collecting
 from lightning_megatron.transport import Transport, TransportTimeout
 
 __all__ = ["DppSession"]

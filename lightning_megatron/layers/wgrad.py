@@ -42,8 +42,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from lightning_megatron.compat import symmetric_all_reduce
-from lightning_megatron.pipeline.tp_overlap import column_linear, row_forward
-from lightning_megatron.pipeline.wgrad_accumulate import weight_grad
+from lightning_megatron.layers.tp_overlap import column_linear, row_forward
+from lightning_megatron.layers.wgrad_accumulate import weight_grad
 
 __all__ = ["SplitLinears", "split_linears"]
 
@@ -161,7 +161,7 @@ class SplitLinears:
 def split_linears(chunks: Sequence[torch.nn.Module], overlap: Any = None, accumulate: bool = True) -> SplitLinears:
     """Give every tensor-parallel linear layer of ``chunks`` (DDP-wrapped or not) the B/W-split backward.
 
-    With ``overlap`` (a :class:`~lightning_megatron.pipeline.tp_overlap.TPCommOverlap`) their tensor-parallel
+    With ``overlap`` (a :class:`~lightning_megatron.layers.tp_overlap.TPCommOverlap`) their tensor-parallel
     communication is also overlapped with their GEMMs. ``accumulate=False``: outside a :func:`~.wgrad_accumulate.collecting` stash
     the weight gradient goes back through autograd as in megatron-core (no fused ``main_grad`` accumulation; for
     ``tp_comm_overlap`` without ``gradient_accumulation_fusion``). A layer already changed (by an earlier call) is
