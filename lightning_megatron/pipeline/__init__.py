@@ -12,9 +12,23 @@ from lightning_megatron.pipeline import megatron_schedules as _megatron_schedule
 from lightning_megatron.pipeline.registry import (
     ForwardBackwardFunc,
     Schedule,
+    ScheduleContext,
+    ScheduleGroups,
+    ScheduleSession,
+    StepEvents,
     available_schedules,
     get_schedule,
     register_schedule,
 )
 
-__all__ = ["ForwardBackwardFunc", "Schedule", "available_schedules", "get_schedule", "register_schedule"]
+__all__ = [
+    "ForwardBackwardFunc",
+    "Schedule",
+    "ScheduleContext",
+    "ScheduleGroups",
+    "ScheduleSession",
+    "StepEvents",
+    "available_schedules",
+    "get_schedule",
+    "register_schedule",
+]
