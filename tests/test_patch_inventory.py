@@ -9,9 +9,9 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
+from trainers import quiet_trainer
 
 from lightning_megatron.compat import inventory
 
@@ -130,8 +130,7 @@ def test_step_sync_is_wrapped_on_one_trainers_loop_only() -> None:
 
     from lightning_megatron.compat.lightning import announce_step_sync
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    other = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    trainer, other = quiet_trainer(), quiet_trainer()
     assert announce_step_sync(trainer, [])
     assert "_broadcast_sigterm_tensor" in vars(trainer.fit_loop.epoch_loop)
     assert "_broadcast_sigterm_tensor" not in vars(other.fit_loop.epoch_loop)
