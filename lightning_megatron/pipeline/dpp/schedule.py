@@ -218,7 +218,7 @@ class _Step:
         self.session, self.transport, self.model = session, transport, model
         self.data_iterator, self.forward_step_func = data_iterator, forward_step_func
         self.config = get_model_config(model[0])
-        if getattr(self.config, "defer_embedding_wgrad_compute", False):
+        if self.config.defer_embedding_wgrad_compute:
             raise MegatronConfigError("schedule='dpp' does not support defer_embedding_wgrad_compute; turn it off.")
         self.model_type = get_model_type(model[0])
         self.forward_only = forward_only
@@ -229,7 +229,7 @@ class _Step:
             session.groups.pipeline_rank,
             len(model),
             num_microbatches,
-            group=getattr(self.config, "microbatch_group_size_per_vp_stage", None) or pipeline,
+            group=self.config.microbatch_group_size_per_vp_stage or pipeline,
             forward_only=forward_only,
         )
         self.state = StageState(self.plan, 0 if forward_only else session.options.extra_activations)

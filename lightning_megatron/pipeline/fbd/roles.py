@@ -44,10 +44,10 @@ def check_replicas(forward_replicas: int, data_parallel: int) -> None:
         )
 
 
-def data_shard(options: object, rank: int, size: int) -> tuple[int, int]:
+def data_shard(options: Any, rank: int, size: int) -> tuple[int, int]:
     """The sampler's ``(rank, replicas)``: backward replicas split the data; a forward replica reads its first
     partner's shard (it never uses it: partners send the microbatches they run)."""
-    forward = int(getattr(options, "forward_replicas", 1))
+    forward = int(options.forward_replicas)
     backward = max(size - forward, 1)
     return (rank if rank < backward else (rank - backward) % backward), backward
 
