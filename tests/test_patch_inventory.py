@@ -32,6 +32,9 @@ def resolve(spec: str) -> tuple[Any, str, Any]:
 def test_every_entry_names_what_exists(patch: inventory.Patch) -> None:
     holder, name, value = resolve(patch.target)
     assert hasattr(holder, name), patch.target
+    for other in patch.also:
+        also_holder, also_name, _ = resolve(other)
+        assert hasattr(also_holder, also_name), other
     _, _, installer = resolve(patch.installer)
     assert callable(installer), patch.installer
     assert patch.scope in ("process", "fit", "instance"), patch.scope

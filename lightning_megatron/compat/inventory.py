@@ -36,6 +36,8 @@ class Patch:
     """The versions it was tested with."""
     covered_by: str
     """The test file that exercises it."""
+    also: tuple[str, ...] = ()
+    """The same installer's other replacements, for the same reason (same ``package.module:attribute`` form)."""
 
 
 _MCORE = "megatron-core 0.16.1"
@@ -53,6 +55,21 @@ PATCHES: tuple[Patch, ...] = (
         restored="never: CPU-only processes in which no GPU is visible (apply() refuses otherwise)",
         tested=f"{_MCORE}, torch 2.13 (CPU)",
         covered_by="tests/test_training.py",
+        also=tuple(
+            f"torch.cuda:{name}"
+            for name in (
+                "synchronize",
+                "current_stream",
+                "default_stream",
+                "Stream",
+                "Event",
+                "stream",
+                "empty_cache",
+                "get_rng_state",
+                "set_rng_state",
+                "manual_seed",
+            )
+        ),
     ),
     Patch(
         target="megatron.core.tensor_parallel.random:_get_cuda_rng_state",
@@ -63,6 +80,7 @@ PATCHES: tuple[Patch, ...] = (
         restored="never: CPU-only processes",
         tested=f"{_MCORE}, torch 2.13 (CPU)",
         covered_by="tests/test_training.py",
+        also=("megatron.core.tensor_parallel.random:_set_cuda_rng_state",),
     ),
     Patch(
         target="megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
@@ -94,6 +112,10 @@ PATCHES: tuple[Patch, ...] = (
         restored="megatron_linear.restore (layers.wgrad.SplitLinears.restore) at teardown or session close",
         tested=f"{_MCORE}, {_TORCH}",
         covered_by="tests/test_wgrad.py",
+        also=(
+            "megatron.core.tensor_parallel.layers:RowParallelLinear._forward_impl",
+            "megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
+        ),
     ),
     Patch(
         target="megatron.core.optimizer.clip_grads:l2_norm_impl",
@@ -105,6 +127,10 @@ PATCHES: tuple[Patch, ...] = (
         restored="never: the same arithmetic; TE's or Apex's kernels are never replaced",
         tested=f"{_MCORE}, {_TORCH}",
         covered_by="tests/test_patch_inventory.py",
+        also=(
+            "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+            "megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
+        ),
     ),
     Patch(
         target="megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
@@ -157,6 +183,19 @@ PATCHES: tuple[Patch, ...] = (
         restored="CollectiveTracer.uninstall after each traced window",
         tested=f"{_MCORE}, {_TORCH}",
         covered_by="tests/test_scan_collectives.py",
+        also=(
+            "torch.distributed:all_gather_into_tensor",
+            "torch.distributed:_all_gather_base",
+            "torch.distributed:reduce_scatter_tensor",
+            "torch.distributed:_reduce_scatter_base",
+            "torch.distributed:broadcast",
+            "megatron.core.tensor_parallel.mappings:dist_all_gather_func",
+            "megatron.core.tensor_parallel.mappings:dist_reduce_scatter_func",
+            "megatron.core.tensor_parallel.layers:dist_all_gather_func",
+            "megatron.core.tensor_parallel.layers:dist_reduce_scatter_func",
+            "megatron.core.distributed.param_and_grad_buffer:dist_all_gather_func",
+            "megatron.core.distributed.param_and_grad_buffer:dist_reduce_scatter_func",
+        ),
     ),
 )
 """Every replacement of another project's function (see the module docstring)."""
@@ -169,6 +208,7 @@ def markdown_table() -> str:
         "|---|---|---|---|---|---|",
     ]
     for patch in PATCHES:
-        cells = (patch.target, patch.installer, patch.scope, patch.why, patch.restored, patch.tested)
-        rows.append("| " + " | ".join(f"`{c}`" if i < 2 else c for i, c in enumerate(cells)) + " |")
+        replaced = ", ".join(f"`{t}`" for t in (patch.target, *patch.also))
+        cells = (replaced, f"`{patch.installer}`", patch.scope, patch.why, patch.restored, patch.tested)
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
