@@ -58,3 +58,44 @@ def test_the_contracts_defaults_and_checks_reach_the_user() -> None:
         register_schedule("test-nothing")
     with pytest.raises(TypeError, match="Schedule or a name"):
         register_schedule(3)  # type: ignore[arg-type]
+
+
+def test_traced_p2p_reports_the_span_and_the_message_to_listeners() -> None:
+    """The one tracing helper of every schedule, through the strategy's step events: the span megatron-core would
+    name, the message inside it, and nothing at all without listeners."""
+    import torch
+
+    from lightning_megatron.pipeline.registry import NO_EVENTS
+    from lightning_megatron.pipeline.tracing import traced_p2p
+    from lightning_megatron.strategy.listeners import ListenerEvents, StepListener
+
+    class Seen(StepListener):
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def span_start(self, name: str) -> None:
+            self.calls.append(("start", name))
+
+        def span_stop(self, name: str) -> None:
+            self.calls.append(("stop", name))
+
+        def p2p_messages(self, name: str, sends: list, recvs: list) -> None:
+            self.calls.append(("messages", name, sends, recvs))
+
+    listeners: list[StepListener] = []
+    events = ListenerEvents(listeners)
+    tensor = torch.ones(4)
+    assert not events.active
+    assert traced_p2p(events, "send", "forward", lambda: tensor, peer=1, seq=7, microbatch=2, stage=0) is tensor
+    seen = Seen()
+    listeners.append(seen)  # a listener added after the session opened is told too
+    traced_p2p(events, "recv", "backward", lambda: tensor, peer=3, seq=9, microbatch=1, stage=1)
+    record = {"peer": 3, "bytes": 16, "seq": 9, "direction": "backward", "microbatch": 1, "stage": 1}
+    assert seen.calls == [
+        ("start", "backward-recv"),
+        ("messages", "backward-recv", [], [record]),
+        ("stop", "backward-recv"),
+    ]
+    assert traced_p2p(NO_EVENTS, "send", "forward", lambda: tensor, peer=1, seq=1, microbatch=0, stage=0) is tensor
+    with pytest.raises(ValueError, match="direction"):
+        traced_p2p(events, "send", "sideways", lambda: tensor, peer=1, seq=1, microbatch=0, stage=0)
