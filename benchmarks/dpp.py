@@ -98,9 +98,9 @@ def worker(
 
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data import SyntheticTokenDataModule
+    from lightning_megatron.layers.wgrad import split_linears
     from lightning_megatron.models import GPTModule
-    from lightning_megatron.pipeline import get_schedule
-    from lightning_megatron.pipeline.wgrad import split_linears
+    from lightning_megatron.pipeline import Schedule, get_schedule
     from lightning_megatron.scan.evaluation.inject import SlowdownInjector
 
     on_cpu = args.cpu_dry_run or args.cpu
@@ -138,7 +138,7 @@ def worker(
                 if "slow_rank" in case:
                     injector = SlowdownInjector([case["slow_rank"]], case["factor"])
                     injector.setup(trainer, pl_module, "fit")
-                if get_schedule(case["schedule"]).parse_options:
+                if type(get_schedule(case["schedule"])).parse_options is not Schedule.parse_options:  # takes options
                     options = {"transport": "shm", **options}
                 # gradient_accumulation_fusion for this case only (what the strategy's argument installs)
                 fused = split_linears(strategy.wrapped_chunks) if case.get("fused_wgrad") else None

@@ -66,7 +66,7 @@ def vpp_cases(forward_s: float) -> list[dict[str, Any]]:
 
 def theory(microbatches: int, virtual: Any):  # noqa: ANN201
     def extra(rows: list[dict[str, Any]], timings: dict[str, float]) -> dict[str, Any]:
-        from lightning_megatron.pipeline.wgrad_accumulate import fused_accumulation_status
+        from lightning_megatron.layers.wgrad_accumulate import fused_accumulation_status
 
         stages = int(os.environ.get("WORLD_SIZE", 2))  # one pipeline stage per process
         return {

@@ -125,7 +125,7 @@ def run_strategy(spec: dict[str, Any]) -> list[float]:
                     '{"cuda_graphs": false, "gradient_accumulation_fusion": false} to --strategy-options'
                 )
             if ab:  # after warm-up, blocks of two steps: without, with, without, ... (same model, same launch)
-                from lightning_megatron.pipeline.wgrad import split_linears
+                from lightning_megatron.layers.wgrad import split_linears
 
                 want = trainer.global_step >= WARMUP and (trainer.global_step - WARMUP) // 2 % 2 == 1
                 if want and self.fused is None:

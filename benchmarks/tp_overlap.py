@@ -81,8 +81,8 @@ class _Layer:
         return out
 
     def overlapped(self, chunks: int) -> Any:
-        from lightning_megatron.pipeline.tp_overlap import TPCommOverlap
-        from lightning_megatron.pipeline.wgrad import split_linears
+        from lightning_megatron.layers.tp_overlap import TPCommOverlap
+        from lightning_megatron.layers.wgrad import split_linears
 
         # accumulate=False: weight gradients through autograd as megatron-core's (no fused accumulation)
         return split_linears([self.block], overlap=TPCommOverlap(chunks=chunks), accumulate=False)
@@ -97,7 +97,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from lightning_megatron.pipeline import tp_overlap
+    from lightning_megatron.layers import tp_overlap
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.cpu_dry_run:  # tiny shapes on CPU over gloo: checks the plumbing only

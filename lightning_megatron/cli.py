@@ -23,6 +23,8 @@ none of the third-party notices listed in ``lightning_megatron.compat.quiet``.
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from lightning_megatron.compat import quiet
 
 quiet.filter_warnings()  # before anything below imports megatron-core, whose import warns
@@ -56,6 +58,7 @@ _LAUNCHED: list[ScriptLauncher] = []
 class SaveConfigWithCheckpoints(SaveConfigCallback):
     """LightningCLI's config saver, which also puts the resolved config into each checkpoint."""
 
+    @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:

@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar, 
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from lightning_utilities.core.imports import RequirementCache
+from typing_extensions import override
 
 __all__ = ["LayoutSummary", "step_progress_bar"]
 
@@ -98,6 +99,7 @@ class LayoutSummary(Callback):
     all-reduce brings the counts to rank 0.
     """
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_megatron.strategy.strategy import MegatronAppStrategy
 

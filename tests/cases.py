@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from trainers import quiet_trainer
 
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.data import SyntheticTokenDataModule
@@ -54,20 +55,9 @@ def fit_gpt(
     strategy.setdefault("micro_batch_size", 2)
     strategy.setdefault("timeout", 60)
     recorder = Recorder()
-    trainer_kwargs = dict(
-        accelerator=accelerator,
-        devices=world_size,
-        precision=precision,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
+    trainer_kwargs = dict(accelerator=accelerator, devices=world_size, precision=precision, max_steps=steps)
     trainer_kwargs.update(trainer or {})
-    run = pl.Trainer(
+    run = quiet_trainer(
         strategy=MegatronAppStrategy(**strategy), callbacks=[recorder, *(callbacks or [])], **trainer_kwargs
     )
     module = module_cls(**{**TINY_MODEL, "lr": 1e-2, **(model or {})})

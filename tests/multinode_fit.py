@@ -12,6 +12,7 @@ import sys
 
 import lightning.pytorch as pl
 import torch
+from trainers import quiet_trainer
 
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.data import SyntheticTokenDataModule
@@ -27,18 +28,11 @@ def main(out_dir: str, trace_dir: str) -> None:
         def on_train_batch_end(self, trainer: pl.Trainer, module: object, outputs: object, *args: object) -> None:
             losses.append(float(trainer.callback_metrics["train_loss"]))
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         num_nodes=2,
         strategy=MegatronAppStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, timeout=120),
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[Losses(), MegaScan(trace_dir, interval=1, window=1, detect=False)],
     )
     module = GPTModule(vocab_size=128, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4, lr=1e-2)

@@ -70,8 +70,8 @@ def perturbed_gradients(
     trainer, module = build(world, model, **layout)
     chunk = module.model_chunks[0]
     if linears != "megatron":
-        from lightning_megatron.pipeline.tp_overlap import TPCommOverlap
-        from lightning_megatron.pipeline.wgrad import split_linears
+        from lightning_megatron.layers.tp_overlap import TPCommOverlap
+        from lightning_megatron.layers.wgrad import split_linears
 
         overlap = TPCommOverlap(chunks=2) if linears == "overlap" else None
         assert split_linears([chunk], overlap=overlap).modules, "no linear layer was split"

@@ -15,6 +15,7 @@ import pytest
 import torch
 from cases import TINY_MODEL, fit_gpt
 from lightning.pytorch.callbacks import ModelCheckpoint
+from trainers import quiet_trainer
 
 from lightning_megatron.models import GPTModule
 
@@ -133,18 +134,13 @@ def test_incomplete_checkpoint_is_refused(ranks: Any, saved_tp2: tuple[Path, dic
 
 def validate_checkpoint(world_size: int, ckpt: str, **strategy: Any) -> float:
     """``trainer.validate(ckpt_path=...)``: loads only the model, at any layout."""
-    import lightning.pytorch as pl
 
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data import SyntheticTokenDataModule
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy=MegatronAppStrategy(micro_batch_size=2, timeout=60, **strategy),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=2,
     )
     module = GPTModule(**{**TINY_MODEL, "lr": 1e-2, "warmup_steps": 2})

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from trainers import quiet_trainer
 
 from lightning_megatron.convert import hf_config_to_gpt_kwargs
 from lightning_megatron.models import GPTModule
@@ -50,7 +51,6 @@ class RecordingGPT(GPTModule):
 
 def convert_and_export(world_size: int, hf_dir: str, out_dir: str, sequence: torch.Tensor, **strategy: Any) -> dict:
     """Runs on every rank: load ``hf_dir`` at this layout, validate on ``sequence``, export to ``out_dir``."""
-    import lightning.pytorch as pl
     from megatron.core import parallel_state
 
     from lightning_megatron import MegatronAppStrategy
@@ -60,13 +60,10 @@ def convert_and_export(world_size: int, hf_dir: str, out_dir: str, sequence: tor
     kwargs = hf_config_to_gpt_kwargs(config)
     module = RecordingGPT(**kwargs, hf_checkpoint=hf_dir)
     module.recorded = []
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy=MegatronAppStrategy(micro_batch_size=2, timeout=60, **strategy),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        limit_val_batches=1.0,
         use_distributed_sampler=False,
     )
     batch = {"tokens": sequence[:, :-1].contiguous(), "labels": sequence[:, 1:].contiguous()}

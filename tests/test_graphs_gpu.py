@@ -271,7 +271,7 @@ class SymmetricCounts(pl.Callback):
 symmetric_counts = SymmetricCounts()
 
 def probe(module):
-    from lightning_megatron.pipeline.wgrad_accumulate import fused_accumulation_status
+    from lightning_megatron.layers.wgrad_accumulate import fused_accumulation_status
 
     strategy = module.trainer.strategy
     graph = strategy.step_graph

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainers import quiet_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -26,7 +27,6 @@ FITS = 12
 
 
 def test_repeated_fits_do_not_accumulate_gpu_memory(tmp_path: Path) -> None:
-    import lightning.pytorch as pl
 
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data import SyntheticTokenDataModule
@@ -38,18 +38,11 @@ def test_repeated_fits_do_not_accumulate_gpu_memory(tmp_path: Path) -> None:
     for _ in range(FITS):
         module = GPTModule(**shape, layer_spec="sdpa")  # the previous module is dropped only here
         modules.append(weakref.ref(module))
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="gpu",
-            devices=1,
             precision="bf16-mixed",
             strategy=MegatronAppStrategy(micro_batch_size=2),
             max_steps=4,  # two warm-up steps, the CUDA graph's capture and a replay (one GPU: graphs by default)
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
         )
         data = SyntheticTokenDataModule(
             vocab_size=shape["vocab_size"], seq_length=shape["seq_length"], global_batch_size=4, num_train_samples=64

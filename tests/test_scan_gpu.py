@@ -27,12 +27,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from trainers import quiet_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
 def test_gpu_spans_carry_enqueue_and_queue_times(tmp_path: Path) -> None:
-    import lightning.pytorch as pl
 
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data import SyntheticTokenDataModule
@@ -46,17 +46,11 @@ def test_gpu_spans_carry_enqueue_and_queue_times(tmp_path: Path) -> None:
     # Steps 3-7 traced: in the first steps the host is slow for its own reasons (allocator growth, kernel
     # selection), and with those traced the pacing sat at the bar (0.5 in 2 of 4 runs on an H200).
     scan = MegaScan(tmp_path / "trace", interval=1, window=1, start_step=3, detect=False)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
-        devices=1,
         precision="bf16-mixed",
         strategy=MegatronAppStrategy(micro_batch_size=2, cuda_graphs=False),
         max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[scan],
     )
     data = SyntheticTokenDataModule(vocab_size=32000, seq_length=2048, global_batch_size=8, num_train_samples=64)
@@ -80,17 +74,11 @@ def _fit(trace_dir: Path, callbacks: list[Any], gpu_busy: bool = True) -> None:
     from lightning_megatron.scan import MegaScan
 
     scan = MegaScan(trace_dir, interval=1, window=1, detect=False, gpu_busy=gpu_busy, gpu_busy_every=1)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
-        devices=1,
         precision="bf16-mixed",
         strategy=MegatronAppStrategy(micro_batch_size=2, cuda_graphs=False),
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[scan, *callbacks],
     )
     data = SyntheticTokenDataModule(vocab_size=32000, seq_length=2048, global_batch_size=8, num_train_samples=128)

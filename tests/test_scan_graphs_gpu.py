@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from gpu_work import LLAMA_STYLE_LAYERS, record, run_script
+from trainers import quiet_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -73,17 +74,11 @@ def _fit(
         settings = {**dict(interval=2, window=2, granularity="layer", detect=False, gpu_busy_every=1), **(scan or {})}
         tracers = [MegaScan(trace_dir, **settings)]
     strategy = MegatronAppStrategy(micro_batch_size=2, cuda_graphs=cuda_graphs)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
-        devices=1,
         precision="bf16-mixed",
         strategy=strategy,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[*tracers, *callbacks, losses],
         **(trainer_options or {}),
     )

@@ -1,9 +1,9 @@
 """``symmetric_ar_type``: megatron-core's tensor-parallel all-reduce on torch's symmetric memory
-(``compat/symmetric_all_reduce.py``, ``strategy/tp_layers.py``).
+(``compat/symmetric_all_reduce.py``, ``layers/install.py``).
 
 On CPUs (gloo, real forked ranks): the replacement sits where megatron-core's layers look ``_reduce`` up, so
 ``reduce_from_tensor_model_parallel_region`` over the installed group reaches it, and so does the input gradient of
-a layer with the project's backward (``pipeline.wgrad``); a tensor it cannot take (not
+a layer with the project's backward (``layers.wgrad``); a tensor it cannot take (not
 CUDA) goes to the collective it replaced and comes back summed, counted as a fallback; another group passes
 through uncounted; ``restore`` puts megatron-core's function back, also after a second install. Bad settings fail
 when the strategy is built, naming the parameter; where there is nothing to replace it warns and is off; on CPUs
@@ -27,8 +27,8 @@ from megatron.core.tensor_parallel import mappings
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.compat import symmetric_all_reduce
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.pipeline.wgrad import _SplitLinear
-from lightning_megatron.strategy.tp_layers import TensorParallelLayers
+from lightning_megatron.layers.install import TensorParallelLayers
+from lightning_megatron.layers.wgrad import _SplitLinear
 
 ORIGINAL = mappings._reduce
 

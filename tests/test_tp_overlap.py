@@ -1,5 +1,5 @@
 """``tp_comm_overlap``: tensor-parallel communication overlapped with the GEMMs of megatron-core's parallel linear
-layers by chunked collective matmul (``pipeline/collective_matmul.py``, ``pipeline/tp_overlap.py``).
+layers by chunked collective matmul (``layers/collective_matmul.py``, ``layers/tp_overlap.py``).
 
 On CPUs in fp32 (gloo, real forked ranks):
 
@@ -28,7 +28,7 @@ from test_dpp import assert_close
 
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.pipeline.collective_matmul import spans
+from lightning_megatron.layers.collective_matmul import spans
 
 TP2 = dict(tensor_model_parallel_size=2)
 SP = dict(tensor_model_parallel_size=2, sequence_parallel=True)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from cases import fit_gpt
 from test_checkpoint import RMSpropGPT
+from trainers import quiet_trainer
 
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.data import SyntheticTokenDataModule
@@ -85,16 +86,10 @@ def test_plain_torch_optimizer_matches_single_process(ranks: Any) -> None:
 
 def collectives_after_fit(world_size: int) -> dict[str, Any]:
     """Run inside ranks at TP2 × DP2: the strategy's collectives respect groups."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy=MegatronAppStrategy(tensor_model_parallel_size=2, timeout=60),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
     )
     trainer.fit(
         GPTModule(vocab_size=128, seq_length=16, num_layers=2, hidden_size=32),

@@ -28,7 +28,7 @@ import torch
 import transport_cases as tc
 from distributed import WorkerGroup, free_port
 
-from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.errors import MegatronConfigError, TransportUsageError
 from lightning_megatron.transport import available_transports, create_transport
 from lightning_megatron.transport import header as hdr
 
@@ -200,7 +200,7 @@ def test_header_round_trip() -> None:
         hdr.decode([0, *words[1:]])
     with pytest.raises(ValueError, match="not 16 bytes|is not"):
         hdr.decode(words[:4] + [17] + words[5:])  # nbytes that do not match the shape
-    with pytest.raises(MegatronConfigError, match="int_repr"):
+    with pytest.raises(TransportUsageError, match="int_repr"):
         hdr.dtype_code(torch.qint8)
 
 

@@ -1,5 +1,5 @@
 """``gradient_accumulation_fusion``: every tensor-parallel linear layer's weight gradient through the project's
-path (``pipeline/wgrad.py``, shared with the ``zb-h1`` schedule's B/W split), against megatron-core's own backward.
+path (``layers/wgrad.py``, shared with the ``zb-h1`` schedule's B/W split), against megatron-core's own backward.
 
 On CPUs in fp32 the arithmetic is megatron-core's (GEMM, then ``main_grad.add_``), so losses and every step's
 gradients must match within 1e-6, under tensor and sequence parallelism (a Llama-shaped model), and under data

@@ -1,4 +1,4 @@
-"""The fused weight-gradient GEMM (``pipeline/wgrad.py``, skipped without CUDA): bf16 activations accumulate
+"""The fused weight-gradient GEMM (``layers/wgrad.py``, skipped without CUDA): bf16 activations accumulate
 straight into an fp32 ``main_grad`` in one GEMM.
 
 Checked against a float64 reference on fresh random inputs (never zeros), with ``main_grad`` already holding a
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("shape", [(8192, 2048, 2048), (4096, 8192, 2048), (4096, 2048, 50304), (1000, 96, 200)])
 def test_fused_gemm_accumulates_into_fp32_main_grad(shape: tuple[int, int, int], tmp_path: Path) -> None:
-    from lightning_megatron.pipeline.wgrad_accumulate import accumulate_weight_grad, fused_accumulation_status
+    from lightning_megatron.layers.wgrad_accumulate import accumulate_weight_grad, fused_accumulation_status
 
     tokens, fan_in, fan_out = shape
     g = torch.Generator(device="cuda").manual_seed(sum(shape))

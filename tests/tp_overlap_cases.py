@@ -16,7 +16,7 @@ PRIMITIVES = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 def primitives(chunk_counts: list[int]) -> dict[str, float]:
     """Largest error of each primitive (float64) against the collective and GEMM done whole, per chunk count."""
-    from lightning_megatron.pipeline.collective_matmul import (
+    from lightning_megatron.layers.collective_matmul import (
         all_gather_matmul,
         matmul_all_reduce,
         matmul_reduce_scatter,
@@ -51,7 +51,7 @@ def primitives(chunk_counts: list[int]) -> dict[str, float]:
 
 def fit_counting(world_size: int, **strategy: Any) -> dict[str, Any]:
     """``dpp_cases.fit_fused_layers`` plus how often each chunked primitive ran (through the overlapped layers)."""
-    from lightning_megatron.pipeline import tp_overlap
+    from lightning_megatron.layers import tp_overlap
 
     calls: Counter = Counter()
     originals = {name: getattr(tp_overlap, name) for name in PRIMITIVES}

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.errors import MegatronConfigError, TransportUsageError
 from lightning_megatron.transport import (
     MAX_TAG,
     DelayedTransport,
@@ -466,7 +466,7 @@ def any_out_of_order(name: str) -> dict[str, Any]:
 
 def any_timeout_and_checks(name: str) -> dict[str, Any]:
     """``wait_any`` of tags never sent raises TransportTimeout naming rank, peer, tags and timeout, in time;
-    bad keys raise MegatronConfigError naming the fix; the channel survives the timeout."""
+    bad keys raise TransportUsageError naming the fix; the channel survives the timeout."""
     rank, _ = init()
     peer = 1 - rank
     out: dict[str, Any] = {}
@@ -488,12 +488,12 @@ def any_timeout_and_checks(name: str) -> dict[str, Any]:
         start = time.monotonic()
         assert t.poll_any([(peer, 901)]) is None
         out["poll_any_s"] = time.monotonic() - start
-        out["empty"] = expect(MegatronConfigError, t.poll_any, [], words=("at least one",))
-        expect(MegatronConfigError, t.wait_any, [], words=("at least one",))
-        expect(MegatronConfigError, t.wait_any, [(peer,)], words=("(peer, tag)",))
-        expect(MegatronConfigError, t.poll_any, [(peer, -1)], words=("-1",))
-        expect(MegatronConfigError, t.poll_any, (peer, 5), words=("(peer, tag)",))  # one pair, not a list of pairs
-        expect(MegatronConfigError, t.poll_any, [(rank, 5)], words=("connect",))
+        out["empty"] = expect(TransportUsageError, t.poll_any, [], words=("at least one",))
+        expect(TransportUsageError, t.wait_any, [], words=("at least one",))
+        expect(TransportUsageError, t.wait_any, [(peer,)], words=("(peer, tag)",))
+        expect(TransportUsageError, t.poll_any, [(peer, -1)], words=("-1",))
+        expect(TransportUsageError, t.poll_any, (peer, 5), words=("(peer, tag)",))  # one pair, not a list of pairs
+        expect(TransportUsageError, t.poll_any, [(rank, 5)], words=("connect",))
         dist.barrier()
         t.isend(peer, 901, torch.tensor([rank]))  # a tag that timed out still arrives afterwards
         index, got = t.wait_any([(peer, 902), (peer, 901)], timeout=10)
@@ -629,21 +629,21 @@ def bad_input(name: str) -> dict[str, str]:
     out["device"] = expect(MegatronConfigError, lambda: create_transport(name, device="meta"), words=("meta",))
     t = create_transport(name, timeout=10.0)
     try:
-        out["unconnected"] = expect(MegatronConfigError, t.isend, peer, 0, x, words=("connect",))
-        expect(MegatronConfigError, t.poll, peer, 0, words=("connect",))
-        expect(MegatronConfigError, t.recv, peer, 0, words=("connect",))
-        out["self"] = expect(MegatronConfigError, t.connect, [rank], words=(str(rank),))
-        expect(MegatronConfigError, t.connect, [world], words=(str(world),))
-        expect(MegatronConfigError, t.connect, [-1])
+        out["unconnected"] = expect(TransportUsageError, t.isend, peer, 0, x, words=("connect",))
+        expect(TransportUsageError, t.poll, peer, 0, words=("connect",))
+        expect(TransportUsageError, t.recv, peer, 0, words=("connect",))
+        out["self"] = expect(TransportUsageError, t.connect, [rank], words=(str(rank),))
+        expect(TransportUsageError, t.connect, [world], words=(str(world),))
+        expect(TransportUsageError, t.connect, [-1])
         t.connect([peer])
         t.connect([peer])  # connecting again is a no-op
-        out["negative tag"] = expect(MegatronConfigError, t.isend, peer, -1, x, words=("-1",))
-        expect(MegatronConfigError, t.isend, peer, MAX_TAG + 1, x)
-        expect(MegatronConfigError, t.isend, peer, 1.5, x)
-        expect(MegatronConfigError, t.recv, peer, -3)
-        expect(MegatronConfigError, t.poll, peer, -1)
+        out["negative tag"] = expect(TransportUsageError, t.isend, peer, -1, x, words=("-1",))
+        expect(TransportUsageError, t.isend, peer, MAX_TAG + 1, x)
+        expect(TransportUsageError, t.isend, peer, 1.5, x)
+        expect(TransportUsageError, t.recv, peer, -3)
+        expect(TransportUsageError, t.poll, peer, -1)
         out["not a tensor"] = expect(TypeError, t.isend, peer, 0, [1, 2, 3])
-        out["meta tensor"] = expect(MegatronConfigError, t.isend, peer, 0, torch.ones(2, device="meta"))
+        out["meta tensor"] = expect(TransportUsageError, t.isend, peer, 0, torch.ones(2, device="meta"))
         dist.barrier()
     finally:
         t.close()
@@ -756,6 +756,6 @@ def torch_bad_config() -> dict[str, str]:
     with opened("torch") as t:
         peer = 1 - dist.get_rank()
         quantized = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
-        out["quantized"] = expect(MegatronConfigError, t.isend, peer, 0, quantized, words=("int_repr",))
-        out["too many dims"] = expect(MegatronConfigError, t.isend, peer, 0, torch.ones([1] * 27), words=("27",))
+        out["quantized"] = expect(TransportUsageError, t.isend, peer, 0, quantized, words=("int_repr",))
+        out["too many dims"] = expect(TransportUsageError, t.isend, peer, 0, torch.ones([1] * 27), words=("27",))
     return out

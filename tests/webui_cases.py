@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+from trainers import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "recipes" / "data" / "kjv.jsonl.gz"
@@ -328,7 +329,6 @@ def prepare(out: Path) -> None:
 # -- a live training run ----------------------------------------------------------------------------------------
 def fit_live(steps: int) -> None:
     """A CPU fit followed by MegaScope on a free port, paused at the start."""
-    import lightning.pytorch as pl
 
     from lightning_megatron import MegatronAppStrategy
     from lightning_megatron.data.synthetic import SyntheticTokenDataModule
@@ -337,19 +337,7 @@ def fit_live(steps: int) -> None:
 
     torch_threads()
     scope = MegaScope(serve=True, start_paused=True, port=0, interval=1, command_timeout=0.2)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=MegatronAppStrategy(micro_batch_size=2),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[scope],
-    )
+    trainer = quiet_trainer(strategy=MegatronAppStrategy(micro_batch_size=2), max_steps=steps, callbacks=[scope])
     module = GPTModule(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4, lr=3e-3)
     data = SyntheticTokenDataModule(vocab_size=256, seq_length=32, global_batch_size=4, num_train_samples=100_000)
     trainer.fit(module, data)

@@ -17,8 +17,8 @@ it, the redirection of ``device="cuda"`` and of ``tensor.type()``, is a torch-fu
 are per thread: ``apply()`` enters it in the calling thread (the one that trains), and any other thread
 that runs megatron-core code runs it inside ``with cpu_thread():`` (MegaScope's server does).
 
-It is deliberately the only place in the project that patches a third-party module. Nothing here is
-needed, or applied, on GPUs.
+Nothing here is needed, or applied, on GPUs. It is one of several replacements of other projects' functions, all in
+``compat/`` but for MegaScan's collective tracer; :mod:`.inventory` lists every one.
 """
 
 from __future__ import annotations

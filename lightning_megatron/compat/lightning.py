@@ -11,6 +11,9 @@ synchronisation of every rank that Lightning runs once per batch, before the fet
 late between steps keeps the others waiting, so step listeners are told about it (``step-sync``); if a Lightning
 release renames it, nothing is wrapped and MegaScan falls back to comparing the gaps alone.
 
+``announce_step_sync`` replaces a method on one Trainer's loop instance (never on the class); it is listed in
+:mod:`.inventory` with the project's other replacements.
+
 One more private name is touched elsewhere, because it is overridden rather than imported:
 ``RichProgressBar._get_train_description`` in ``lightning_megatron.display`` (the reason is stated there; if
 Lightning renames it, the progress bar falls back to Lightning's own description).

@@ -1,7 +1,9 @@
 """Workarounds for megatron-core 0.16, in one place: a process its checkpoint writer spawns, a pipeline
 communication bug, a checkpoint-loading bug of its distributed optimizer without Transformer Engine, and process
 groups its ``destroy_model_parallel`` forgets without destroying.
-Each function says what it works around and how it was found; drop them as megatron-core fixes these.
+Each function says what it works around and how it was found; drop them as megatron-core fixes these. Two of them
+replace megatron-core's functions (``use_in_process_checkpoint_results``: the writer's results queue;
+``prepare_distributed_optimizer_load``: a method on the fit's optimizer instances); :mod:`.inventory` lists them.
 """
 
 from __future__ import annotations

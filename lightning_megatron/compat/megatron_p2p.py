@@ -8,7 +8,7 @@ wrong receives (on PP2 × VPP2, 71–82 of ~170 flows came out "received before 
 and each call reports the operations it posted (peer, bytes, direction, a sequence number per peer and direction
 that both ends count alike, and for sends the chunk and microbatch last announced) through the timers'
 ``messages`` call, the one schedules with their own transports (MegaDPP, MegaFBD) use. Drop it when megatron-core
-reports its messages itself.
+reports its messages itself. Listed in :mod:`.inventory`; restored by :func:`uninstall`.
 """
 
 from __future__ import annotations

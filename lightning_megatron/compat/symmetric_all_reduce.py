@@ -12,7 +12,9 @@ Private APIs, kept to this module: ``torch.distributed._symmetric_memory`` (``em
 ``torch.ops.symm_mem`` all-reduce kernels, and ``megatron.core.tensor_parallel.mappings._reduce``, the function
 through which megatron-core's layers all-reduce over the tensor-parallel group (``RowParallelLinear``'s and
 ``VocabParallelEmbedding``'s outputs, and the input gradient of a ``ColumnParallelLinear`` left to megatron-core).
-The layers ``pipeline.wgrad`` gives their own backward reduce their input gradients themselves, on NCCL
+:func:`install` replaces that function for a fit and :meth:`SymmetricAllReduce.restore` puts megatron-core's back
+(listed in :mod:`.inventory`).
+The layers ``layers.wgrad`` gives their own backward reduce their input gradients themselves, on NCCL
 asynchronously under the weight-gradient GEMM; where :func:`installed_for` finds this replacement for their group
 they call it after that GEMM instead, on the compute stream. The overlap they give up was not there to lose: in a
 profile of the graphed TP2 step (``throughput_profile_gpt-1.3b_tp2_graphed_2xh200.txt``) the GPU's kernel time

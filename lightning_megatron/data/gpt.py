@@ -16,6 +16,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import get_blend_from_list
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_megatron.data.sampler import eval_sampler, train_sampler
 from lightning_megatron.errors import MegatronConfigError
@@ -91,6 +92,7 @@ class GPTDataModule(pl.LightningDataModule):
             path_to_cache=hp.cache_dir,
         )
 
+    @override
     def setup(self, stage: str) -> None:
         if self.datasets:
             return
@@ -124,12 +126,15 @@ class GPTDataModule(pl.LightningDataModule):
             persistent_workers=self.hparams.num_workers > 0,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", training=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader("valid", training=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", training=False)
 

@@ -14,6 +14,7 @@ from typing import Optional
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_megatron.data.sampler import eval_sampler, train_sampler
 
@@ -70,6 +71,7 @@ class SyntheticTokenDataModule(pl.LightningDataModule):
         self.train_set: Optional[SyntheticTokens] = None
         self.val_set: Optional[SyntheticTokens] = None
 
+    @override
     def setup(self, stage: str) -> None:
         hp = self.hparams
         common = dict(vocab_size=hp.vocab_size, seq_length=hp.seq_length, branching=hp.branching, graph_seed=hp.seed)
@@ -87,6 +89,7 @@ class SyntheticTokenDataModule(pl.LightningDataModule):
             num_workers=self.hparams.num_workers,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
         sampler = train_sampler(
@@ -94,6 +97,7 @@ class SyntheticTokenDataModule(pl.LightningDataModule):
         )
         return self._loader(self.train_set, sampler)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
         return self._loader(

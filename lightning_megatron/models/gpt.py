@@ -12,6 +12,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
+from typing_extensions import override
 
 from lightning_megatron.compat import rope as rope_compat
 from lightning_megatron.errors import MegatronConfigError
@@ -231,6 +232,7 @@ class GPTModule(MegatronLightningModule):
             self._config = TransformerConfig(**fields)
         return self._config
 
+    @override
     def build_chunk(self, stage: StageSpec) -> GPTModel:
         config = self.transformer_config()
         model = _GPTModel(
@@ -278,6 +280,7 @@ class GPTModule(MegatronLightningModule):
             return self.hparams.fuse_kernels and not self.parallel.on_cpu
         return bool(choice)
 
+    @override
     def configure_model(self) -> None:
         if getattr(self, "model_chunks", None) is not None:
             return
@@ -292,6 +295,7 @@ class GPTModule(MegatronLightningModule):
                 num_layers=self.hparams.num_layers,
             )
 
+    @override
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: torch.nn.Module) -> tuple[torch.Tensor, LossFn]:
         tokens = batch["tokens"]
         position_ids = batch.get("position_ids")
@@ -348,6 +352,7 @@ class GPTModule(MegatronLightningModule):
             **options,
         )
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         decay, no_decay = [], []

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_megatron.strategy.parallel import ParallelContext, StageSpec
 from lightning_megatron.strategy.step import LossFn, StepOutput
@@ -71,31 +72,38 @@ class MegatronLightningModule(pl.LightningModule):
         """This rank's parallel layout, ranks and stages (available from ``configure_model`` on)."""
         return self.megatron.parallel
 
+    @override
     def configure_model(self) -> None:
         if getattr(self, "model_chunks", None) is not None:
             return  # Lightning calls this hook once per fit/validate/test; build once.
         self.model_chunks = torch.nn.ModuleList(self.build_chunk(stage) for stage in self.parallel.stages())
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         out = self.megatron.forward_backward(batch)
         self.log("train_loss", out.loss, prog_bar=True, batch_size=1)
         return out.loss
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._accumulate_eval(self.megatron.forward_backward(batch, forward_only=True))
 
+    @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._accumulate_eval(self.megatron.forward_backward(batch, forward_only=True))
 
+    @override
     def on_validation_epoch_start(self) -> None:
         self._eval_totals = torch.zeros(2, device=self.device)
 
     on_test_epoch_start = on_validation_epoch_start
 
+    @override
     def on_validation_epoch_end(self) -> None:
         # Already global on every rank; sync_dist averages identical values (Lightning expects it at epoch level).
         self.log("val_loss", self._eval_loss(), prog_bar=True, sync_dist=True)
 
+    @override
     def on_test_epoch_end(self) -> None:
         self.log("test_loss", self._eval_loss(), sync_dist=True)
 

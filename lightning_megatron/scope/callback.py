@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope import collect
@@ -135,6 +136,7 @@ class MegaScope(pl.Callback):
         self._commands.put({"action": action, "steps": int(request.get("steps", 1))})
 
     # -- Lightning hooks (every rank) -------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning_megatron.strategy import MegatronAppStrategy
 
@@ -147,6 +149,7 @@ class MegaScope(pl.Callback):
             )
         self._strategy = trainer.strategy
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._module = pl_module
         collect.scope_group()  # collective: every rank is here
@@ -166,6 +169,7 @@ class MegaScope(pl.Callback):
             self.server = ScopeServer(self, host=self.host, port=self.port).start()
             print(f"MegaScope: following the run at {self.server.url}", flush=True)
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -176,6 +180,7 @@ class MegaScope(pl.Callback):
             self._capture.attach()
             self._batch = batch
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The unperturbed loss of a sampled step, with the weights the step's gradients were computed at."""
         if self._batch is None or self._perturber is None or not self.measure_clean_loss:
@@ -194,6 +199,7 @@ class MegaScope(pl.Callback):
                 capture.attach()
                 self._capture = capture
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -217,12 +223,15 @@ class MegaScope(pl.Callback):
         if collect.rank() == 0:
             self._publish(step, records, metrics)
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
 

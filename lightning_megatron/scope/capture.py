@@ -53,7 +53,7 @@ __all__ = ["Capture", "Record", "ScopeCache", "capture"]
 NamesFilter = Union[str, Sequence[str], Callable[[str], bool], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Record:
     """One captured tensor: a probe point in one forward of one microbatch (or one weight)."""
 
@@ -70,7 +70,7 @@ class Record:
     pos_axis: Optional[int] = 1
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Shard:
     name: str
     layer: Optional[int]
@@ -270,19 +270,19 @@ class Capture:
         self._calls[key] += 1
         self._shards.append(
             _Shard(
-                point.name,
-                point.layer,
-                state.step,
-                state.microbatch,
-                call,
-                facts.tp_rank,
-                start,
-                end,
-                copy,
-                point.layout,
-                point.half,
-                reduced,
-                extra,
+                name=point.name,
+                layer=point.layer,
+                step=state.step,
+                microbatch=state.microbatch,
+                call=call,
+                tp_rank=facts.tp_rank,
+                start=start,
+                end=end,
+                tensor=copy,
+                layout=point.layout,
+                half=point.half,
+                reduced=reduced,
+                extra=extra,
             )
         )
 
@@ -322,15 +322,15 @@ class Capture:
         else:
             reduced = apply_reducers(logical, self._reducers_for(first.name))
         return Record(
-            first.name,
-            first.layer,
-            first.step,
-            first.microbatch,
-            start,
-            end,
-            reduced.tensor,
-            reduced.extra,
-            layout.logical_pos_axis,
+            name=first.name,
+            layer=first.layer,
+            step=first.step,
+            microbatch=first.microbatch,
+            start=start,
+            end=end,
+            tensor=reduced.tensor,
+            extra=reduced.extra,
+            pos_axis=layout.logical_pos_axis,
         )
 
     def _reducers_for(self, name: str) -> Sequence[Reducer]:

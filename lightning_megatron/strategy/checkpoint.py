@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from megatron.core import dist_checkpointing
+from typing_extensions import override
 
 from lightning_megatron.compat.megatron import use_in_process_checkpoint_results
 
@@ -55,6 +56,7 @@ def _barrier() -> None:
 class DistCheckpointIO(CheckpointIO):
     """Saves and loads on **every** rank; the strategy supplies the sharded template for loading."""
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("DistCheckpointIO does not take storage_options.")
@@ -74,6 +76,7 @@ class DistCheckpointIO(CheckpointIO):
             torch.save(rest, tmp)
             tmp.rename(path / TRAINER_STATE)
 
+    @override
     def load_checkpoint(
         self,
         path: Any,
@@ -100,6 +103,7 @@ class DistCheckpointIO(CheckpointIO):
             checkpoint.update(dist_checkpointing.load(sharded_state_dict, str(path)))
         return checkpoint
 
+    @override
     def remove_checkpoint(self, path: Any) -> None:
         path = Path(path)
         if path.is_dir() and not path.is_symlink():

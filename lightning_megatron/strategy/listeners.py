@@ -16,9 +16,11 @@ Any other listener (a fault injector, MegaScope's hooks) makes the strategy run 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["P2P_TIMERS", "StepListener", "TimedLoader", "TimersDispatcher"]
+__all__ = ["P2P_TIMERS", "ListenerEvents", "StepListener", "TimedLoader", "TimersDispatcher"]
 
 # megatron-core's pipeline timer names → (sends, receives), each as (pipeline neighbour, direction).
 P2P_TIMERS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
@@ -65,7 +67,7 @@ class StepListener:
     def p2p_messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
         """The open p2p span ``name`` moves these messages: told by megatron-core's pipeline calls (what each
         call really posted, ``compat/megatron_p2p.py``) and by schedules with their own transports (MegaDPP,
-        MegaFBD, or one registered from outside: call ``config.timers.messages(name, sends, recvs)`` inside the span).
+        MegaFBD, or one registered from outside: ``lightning_megatron.pipeline.tracing.traced_p2p``).
 
         Each is ``{"peer", "bytes", "seq", "direction", ...}``; ``seq`` is the same on both ends of a message
         (MegaDPP: its tag), so a tracer pairs sends with receives whatever order they ran in."""
@@ -118,6 +120,35 @@ class TimersDispatcher:
 
     def log(self, *args: Any, **kwargs: Any) -> None:  # megatron's Timers API; nothing to print here
         return None
+
+
+class ListenerEvents:
+    """The step events a schedule session is handed (``ScheduleContext.events``): the spans and messages it reports
+    reach the listeners registered at that moment, in the same order as megatron-core's timers' (``nesting``)."""
+
+    def __init__(self, listeners: list[StepListener]) -> None:
+        self._listeners = listeners  # the strategy's own list: listeners added after the session opened count
+
+    @property
+    def active(self) -> bool:
+        return bool(self._listeners)
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        timer = _Timer(name, self._listeners)
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.stop()
+
+    def microbatch(self, phase: str, chunk: int, microbatch: int) -> None:
+        for listener in self._listeners:
+            listener.microbatch(phase, chunk, microbatch)
+
+    def messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
+        for listener in self._listeners:
+            listener.p2p_messages(name, sends, recvs)
 
 
 class TimedLoader:

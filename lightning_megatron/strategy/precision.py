@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from typing_extensions import override
 
 from lightning_megatron.errors import MegatronConfigError
 
@@ -38,6 +39,7 @@ class MegatronPrecision(Precision):
     def params_dtype(self) -> torch.dtype:
         return _DTYPES[self.precision]
 
+    @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Wrap a model chunk in megatron-core's ``Float16Module`` for half precision."""
         if self.params_dtype == torch.float32:
@@ -47,12 +49,15 @@ class MegatronPrecision(Precision):
 
         return Float16Module(get_model_config(module), module)
 
+    @override
     def forward_context(self):  # noqa: ANN201
         return nullcontext()  # weights are already in the compute dtype: no autocast
 
+    @override
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """No-op: the pipeline schedule ran every microbatch's backward inside ``training_step``."""
 
+    @override
     def clip_gradients(
         self,
         optimizer: torch.optim.Optimizer,

@@ -29,12 +29,13 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from lightning_megatron.compat import megatron_p2p
-from lightning_megatron.pipeline.registry import Schedule, ScheduleContext, ScheduleSession
+from lightning_megatron.pipeline.registry import Schedule, ScheduleContext, ScheduleGroups, ScheduleSession
 from lightning_megatron.strategy.graphs import StepGraph, StepNotRun
-from lightning_megatron.strategy.listeners import StepListener, TimersDispatcher
+from lightning_megatron.strategy.listeners import ListenerEvents, StepListener, TimersDispatcher
 from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
 from lightning_megatron.strategy.parallel import ParallelLayout
 from lightning_megatron.strategy.step import StepOutput, run_forward_backward
@@ -84,7 +85,7 @@ class StepRunner:
     def using(self, schedule: Schedule, options: Any, device: torch.device) -> Iterator[ScheduleSession]:
         """Steps inside the block run under ``schedule`` with its parsed ``options`` (a session opened here and
         closed at the end); then the fit's own schedule and session again."""
-        session = schedule.open(ScheduleContext(options, device, self.timeout.total_seconds()))
+        session = schedule.open(self._context(options, device))
         saved = self.schedule, self.options, self.session
         self.schedule, self.options, self.session = schedule, options, session
         try:
@@ -92,6 +93,23 @@ class StepRunner:
         finally:
             self.schedule, self.options, self.session = saved
             session.close()
+
+    def _context(self, options: Any, device: torch.device) -> ScheduleContext:
+        """What a schedule session is handed: its options, device and timeout, megatron-core's process groups of
+        this rank, and the step's listeners (also those registered later)."""
+        groups = ScheduleGroups(
+            pipeline=parallel_state.get_pipeline_model_parallel_group(),
+            tensor=parallel_state.get_tensor_model_parallel_group(),
+            data=parallel_state.get_data_parallel_group(),
+            context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        )
+        return ScheduleContext(
+            options=options,
+            device=device,
+            timeout=self.timeout.total_seconds(),
+            groups=groups,
+            events=ListenerEvents(self.listeners),
+        )
 
     # -- one step -----------------------------------------------------------------------------------
     def run(
@@ -114,7 +132,7 @@ class StepRunner:
         if not forward_only:
             clear_grads()
         if self.session is None:
-            self.session = self.schedule.open(ScheduleContext(self.options, device, self.timeout.total_seconds()))
+            self.session = self.schedule.open(self._context(self.options, device))
         session, watching = self.session, tuple(self.listeners)
 
         def step(microbatches: list[Any]) -> StepOutput:

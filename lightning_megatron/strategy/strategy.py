@@ -12,8 +12,10 @@ Lifecycle (Lightning's order):
    pipeline schedule, eagerly or replayed as a CUDA graph (``strategy.stepping``); the optimizer step
    that follows is megatron-core's.
 
-The strategy never patches Lightning. The one private import (the script launcher) is in
-``compat.lightning``.
+The strategy replaces no Lightning function itself. What it needs of Lightning's privates is in
+``compat.lightning``: the script launcher it imports, and the per-batch synchronisation it wraps on the Trainer's
+own loop for step listeners (``announce_step_sync``). Every replacement of another project's function, Lightning's
+included, is listed in ``compat.inventory``.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sync
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.layers.install import TensorParallelLayers, symmetric_ar_option
+from lightning_megatron.layers.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline import get_schedule
-from lightning_megatron.pipeline.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.strategy import rendezvous
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO, load_sharded, model_sharded_state_dict
 from lightning_megatron.strategy.chunks import ddp_options, install_config_hooks, unwrap, validated_chunks, wrap_ddp
@@ -70,7 +74,6 @@ from lightning_megatron.strategy.precision import MegatronPrecision, from_lightn
 from lightning_megatron.strategy.release import collect_previous_fits, release_training_state
 from lightning_megatron.strategy.step import StepOutput
 from lightning_megatron.strategy.stepping import StepRunner
-from lightning_megatron.strategy.tp_layers import TensorParallelLayers, symmetric_ar_option
 
 __all__ = ["MegatronAppStrategy"]
 
@@ -101,12 +104,12 @@ class MegatronAppStrategy(ParallelStrategy):
         gradient_accumulation_fusion: Compute every tensor-parallel linear layer's weight gradient as one GEMM
             that accumulates into the fp32 ``main_grad`` (GPUs, bf16/fp16), without the half-precision temporary
             and the separate add; what megatron-core's flag of that name does with apex, here without apex
-            (:mod:`lightning_megatron.pipeline.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
+            (:mod:`lightning_megatron.layers.wgrad`). Elsewhere (CPUs, fp32) the arithmetic is unchanged.
             Unset: on with a CUDA-graphed step outside pipelines (one GPU, TP, DP), where it was measured
             faster (:func:`~lightning_megatron.strategy.graphs.resolve_accumulation_fusion`).
         tp_comm_overlap: Overlap the tensor-parallel all-gathers, reduce-scatters and all-reduces of every
             ``ColumnParallelLinear`` / ``RowParallelLinear`` with their GEMMs (chunked collective matmul over NCCL,
-            no Transformer Engine; :mod:`lightning_megatron.pipeline.tp_overlap`). Same results; ignored (with a
+            no Transformer Engine; :mod:`lightning_megatron.layers.tp_overlap`). Same results; ignored (with a
             warning) at TP 1.
         tp_comm_overlap_chunks: With ``tp_comm_overlap``: pieces the token dimension of each GEMM is cut into.
         symmetric_ar_type: ``"two_shot"`` or ``"one_shot"``: the tensor-parallel all-reduces (the row-parallel
@@ -223,31 +226,37 @@ class MegatronAppStrategy(ParallelStrategy):
 
     # -- Lightning plumbing -------------------------------------------------------------------------
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="megatron-core TP/PP/VPP/DP/SP (lightning-megatron)", override=True
         )
 
     @property
+    @override
     def precision_plugin(self) -> MegatronPrecision:  # type: ignore[override]
         return self._precision_plugin if self._precision_plugin is not None else MegatronPrecision()
 
     @precision_plugin.setter
+    @override
     def precision_plugin(self, plugin: Optional[Any]) -> None:
         # Lightning builds an autocast plugin from Trainer(precision=...); megatron-core needs its own.
         self._precision_plugin = from_lightning_plugin(plugin)
 
     @property
+    @override
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
             self._checkpoint_io = DistCheckpointIO()
         return self._checkpoint_io
 
     @checkpoint_io.setter
+    @override
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
         self._checkpoint_io = io
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None, "the Trainer has not assigned devices yet"
         return self.parallel_devices[self.local_rank]
@@ -261,14 +270,17 @@ class MegatronAppStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the sharded optimizer template exists only after setup
 
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         # The fetch of every batch is timed for step listeners (MegaScan's data time), not the gap between steps.
         return dataloader if isinstance(dataloader, TimedLoader) else TimedLoader(dataloader, self._steps.listeners)
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Model-parallel peers must see the same samples: sample by data-parallel rank only (or as the
         # schedule says: MegaFBD's forward replicas read no data of their own).
@@ -320,12 +332,14 @@ class MegatronAppStrategy(ParallelStrategy):
         """The model chunks as the pipeline schedule runs them (precision- and DDP-wrapped)."""
         return list(self._chunks)
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     # -- processes and parallel state ---------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         on_cpu = self.root_device.type == "cpu"
         backend = self._process_group_backend or ("gloo" if on_cpu else "nccl")
@@ -396,6 +410,7 @@ class MegatronAppStrategy(ParallelStrategy):
         )
 
     # -- model setup --------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -437,6 +452,7 @@ class MegatronAppStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -451,6 +467,7 @@ class MegatronAppStrategy(ParallelStrategy):
         )
         self._steps.follow(self._chunks)
 
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1 or not isinstance(self.optimizers[0], torch.optim.Optimizer):
@@ -507,6 +524,7 @@ class MegatronAppStrategy(ParallelStrategy):
         if self._optimizer is not None:
             self._optimizer.clear_grads()
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         opt = getattr(optimizer, "_optimizer", optimizer)
@@ -523,25 +541,30 @@ class MegatronAppStrategy(ParallelStrategy):
             return None
         return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
+    @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """Reduce over ``group``; by default the data-parallel group (see ``_default_group``)."""
         if not isinstance(tensor, Tensor) or not dist.is_initialized():
             return tensor
         return reduce_tensor(tensor, group if group is not None else self._default_group(), reduce_op)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather ``tensor`` (same shape everywhere) from ``group``, by default the data-parallel group."""
         if not dist.is_initialized():
             return tensor.unsqueeze(0)
         return gather_tensor(tensor, group if group is not None else self._default_group(), sync_grads)
 
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         barrier(self.root_device)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Broadcast a picklable object from global rank ``src`` to every rank."""
         return broadcast_object(obj, src)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Combine a decision across **all** ranks (e.g. early stopping must stop every stage)."""
         return combine_decision(decision, all, self.root_device)
@@ -550,18 +573,22 @@ class MegatronAppStrategy(ParallelStrategy):
     def _model_sharded_state_dict(self) -> dict[str, Any]:
         return model_sharded_state_dict(self.lightning_module.model_chunks)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self._model_sharded_state_dict()
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         opt = getattr(optimizer, "_optimizer", optimizer)
         assert isinstance(opt, StrategyOptimizer)
         return opt.sharded_state_dict(self._model_sharded_state_dict(), is_loading=False)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Every rank writes its shards (Lightning's default saves on rank 0 only)."""
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         trainer = self.lightning_module.trainer
         return load_sharded(
@@ -574,16 +601,19 @@ class MegatronAppStrategy(ParallelStrategy):
             weights_only=weights_only,
         )
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
         for i, chunk in enumerate(self.lightning_module.model_chunks):
             chunk.load_state_dict(state[f"chunk{i}"], strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizer = self._optimizer
         if optimizer is not None:
             optimizer.load_sharded_state_dict(checkpoint["optimizer_states"][0])
 
+    @override
     def teardown(self) -> None:
         self._steps.close()
         self.tp_layers.restore()

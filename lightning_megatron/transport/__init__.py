@@ -31,7 +31,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.errors import MegatronConfigError, TransportUsageError
 from lightning_megatron.transport.base import MAX_TAG, PeerLost, SendHandle, Transport, TransportError, TransportTimeout
 from lightning_megatron.transport.delay import DelayedTransport, LinkDelay
 
@@ -44,6 +44,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "TransportTimeout",
+    "TransportUsageError",
     "available_transports",
     "create_transport",
     "find_libucp",

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 
-from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.errors import MegatronConfigError, TransportUsageError
 
 __all__ = [
     "MAX_TAG",
@@ -177,7 +177,7 @@ class Transport(abc.ABC):
         for peer in peers:
             peer = int(peer)
             if not 0 <= peer < self.world_size or peer == self.rank:
-                raise MegatronConfigError(
+                raise TransportUsageError(
                     f"transport {self.name!r} on rank {self.rank}: peer {peer} is not another rank of this job "
                     f"(world size {self.world_size})."
                 )
@@ -198,7 +198,7 @@ class Transport(abc.ABC):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"isend(peer={peer}, tag={tag}): expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type not in self.devices:
-            raise MegatronConfigError(
+            raise TransportUsageError(
                 f"transport {self.name!r} cannot send a {tensor.device.type} tensor (tag {tag} to rank {peer}): "
                 f"it moves tensors on {', '.join(self.devices)}."
             )
@@ -356,7 +356,7 @@ class Transport(abc.ABC):
         if self._closed:
             raise TransportError(f"transport {self.name!r} on rank {self.rank} is closed.")
         if peer not in self.peers:
-            raise MegatronConfigError(
+            raise TransportUsageError(
                 f"transport {self.name!r} on rank {self.rank}: rank {peer} is not connected; call "
                 f"connect([{peer}]) on both ranks first (connected: {sorted(self.peers)})."
             )
@@ -364,16 +364,16 @@ class Transport(abc.ABC):
     @staticmethod
     def _check_tag(tag: int) -> None:
         if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
-            raise MegatronConfigError(f"transport tag {tag!r}: tags are ints in [0, 2**62).")
+            raise TransportUsageError(f"transport tag {tag!r}: tags are ints in [0, 2**62).")
 
     def _check_keys(self, keys: Sequence[tuple[int, int]], what: str) -> list[tuple[int, int]]:
         """``keys`` as a list of ``(peer, tag)`` int pairs, each peer connected and each tag valid."""
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-            raise MegatronConfigError(
+            raise TransportUsageError(
                 f"{what}(keys={keys!r}): keys must be a list of (peer, tag) pairs, e.g. [(1, 7), (2, 7)]."
             )
         if not keys:
-            raise MegatronConfigError(
+            raise TransportUsageError(
                 f"{what}(keys=[]) on rank {self.rank}: there is nothing to wait for; pass at least one (peer, tag) "
                 "pair (a schedule with no receivable task should run or wait on something else)."
             )
@@ -382,11 +382,11 @@ class Transport(abc.ABC):
             try:
                 peer, tag = key
             except (TypeError, ValueError):
-                raise MegatronConfigError(
+                raise TransportUsageError(
                     f"{what}: key {key!r} is not a (peer, tag) pair; pass keys like [(1, 7), (2, 7)]."
                 ) from None
             if isinstance(peer, bool) or not isinstance(peer, int):
-                raise MegatronConfigError(f"{what}: key {key!r}: the peer must be an int rank, not {peer!r}.")
+                raise TransportUsageError(f"{what}: key {key!r}: the peer must be an int rank, not {peer!r}.")
             self._check_peer(peer)
             self._check_tag(tag)
             checked.append((peer, tag))

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.errors import TransportUsageError
 
 __all__ = [
     "CODE_DTYPES",
@@ -106,7 +106,7 @@ def dtype_code(dtype: torch.dtype) -> int:
     if code is None:
         quantized = str(dtype).startswith(("torch.qint", "torch.quint"))
         hint = " (quantized: send `t.int_repr()` and the scale/zero point)" if quantized else ""
-        raise MegatronConfigError(f"transports cannot send dtype {dtype}{hint}; supported: {_names()}.")
+        raise TransportUsageError(f"transports cannot send dtype {dtype}{hint}; supported: {_names()}.")
     return code
 
 
@@ -129,7 +129,7 @@ def encode(tag: int, tensor: Optional[torch.Tensor], kind: int = KIND_DATA) -> l
         return [MAGIC, kind, tag, 0, 0, 0] + [0] * MAX_NDIM
     assert tensor is not None
     if tensor.dim() > MAX_NDIM:
-        raise MegatronConfigError(
+        raise TransportUsageError(
             f"transports send tensors of at most {MAX_NDIM} dimensions, not {tensor.dim()} (tag {tag}): "
             "reshape before sending."
         )

@@ -161,6 +161,11 @@ class Policy:
     def observe(self, task: Task, seconds: float) -> None:
         pass
 
+    def expected_seconds(self, task: Task) -> Optional[float]:
+        """How long ``task`` is expected to take on the device, from what :meth:`observe` learned (None: unknown;
+        the executor then counts it as no time when it estimates when queued work ends)."""
+        return None
+
 
 class StaticPolicy(Policy):
     name = "static"
@@ -211,6 +216,9 @@ class AdaptivePolicy(Policy):
             self.forward_s = seconds if self.forward_s is None else 0.8 * self.forward_s + 0.2 * seconds
         else:
             self.backward_s = seconds if self.backward_s is None else 0.8 * self.backward_s + 0.2 * seconds
+
+    def expected_seconds(self, task: Task) -> Optional[float]:
+        return self.forward_s if task.phase == FORWARD else self.backward_s
 
     def choose(self, state: StageState, now: float, idle_at: Optional[float] = None) -> Decision:
         task = state.static_next()

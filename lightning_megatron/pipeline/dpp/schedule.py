@@ -19,7 +19,7 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
 * GPUs: the host queues at most ``max_ahead`` tasks ahead of its GPU (CUDA events), so a decision is made on
   fresh readiness, and the events time each task for the adaptive policy;
 * ``split_weight_grads`` (and the ``"zb-h1"`` schedule): a backward computes only input gradients (B, sent at
-  once) and leaves the weight gradients (W, :mod:`~lightning_megatron.pipeline.wgrad`) for later: W tasks
+  once) and leaves the weight gradients (W, :mod:`~lightning_megatron.layers.wgrad`) for later: W tasks
   run, oldest first, whenever the device would otherwise idle waiting for a message (on GPUs: the rank waits
   and its GPU has drained its queue), when a forward needs the memory, or when more than
   ``max_deferred_weight_grads`` are pending; a chunk's gradient sync starts after its last W.
@@ -52,7 +52,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     backward_step,
     check_first_val_step,
@@ -62,6 +61,8 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config, get_model_type
 
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.layers.wgrad import SplitLinears, split_linears
+from lightning_megatron.layers.wgrad_accumulate import WeightGrad, collecting
 from lightning_megatron.pipeline.dpp.options import DppOptions
 from lightning_megatron.pipeline.dpp.plan import (
     ACTIVATION,
@@ -75,23 +76,14 @@ from lightning_megatron.pipeline.dpp.plan import (
 )
 from lightning_megatron.pipeline.dpp.policy import Policy, StageState, make_policy
 from lightning_megatron.pipeline.gradsync import GradSync
-from lightning_megatron.pipeline.registry import ScheduleContext
-from lightning_megatron.pipeline.transports import open_transport
-from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
-from lightning_megatron.pipeline.wgrad_accumulate import WeightGrad, collecting
+from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleGroups, StepEvents
+from lightning_megatron.pipeline.tracing import traced_p2p
 from lightning_megatron.transport import Transport, TransportTimeout
 
 __all__ = ["DppSession"]
 
 _GPU_POLL_S = 2e-4
 """With weight gradients pending and the GPU still busy: how long to wait for an input before looking again."""
-
-_P2P_NAMES = {  # megatron-core's timer names, so MegaScan draws these spans as it draws theirs
-    (ACTIVATION, "send"): "forward-send",
-    (ACTIVATION, "recv"): "forward-recv",
-    (1, "send"): "backward-send",
-    (1, "recv"): "backward-recv",
-}
 
 
 class DppSession:
@@ -101,12 +93,18 @@ class DppSession:
         self.options: DppOptions = context.options
         self.device = torch.device(context.device)
         self.timeout = float(context.timeout)
+        self.groups: ScheduleGroups = context.groups
+        self.events: StepEvents = context.events
+        self._context = context
         self.policy: Policy = make_policy(self.options.policy, grace_fraction=self.options.grace_fraction)
         self.transport: Optional[Transport] = None
         self._split: Optional[SplitLinears] = None
-        self._steps = 0
-        self._stage_ranks: list[int] = []
-        self._tp_ranks: list[int] = []
+        self.steps = 0
+        """Steps run so far (the next step's index, part of every message tag)."""
+        self.stage_ranks: list[int] = []
+        """Global ranks of the pipeline stages, stage 0 first (known once connected)."""
+        self.tp_ranks: list[int] = []
+        """Global ranks of the tensor-parallel peers, the deciding one first; empty without tensor parallelism."""
         self.last_order: list[Task] = []
         """The tasks of the last step in the order this rank ran them (tests, tracing)."""
         self.last_sequence: list[str] = []
@@ -127,24 +125,20 @@ class DppSession:
     def _connect(self) -> Transport:
         if self.transport is not None:
             return self.transport
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self._stage_ranks = dist.get_process_group_ranks(pp_group)
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        self._tp_ranks = (
-            dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()) if tp_size > 1 else []
-        )
+        self.stage_ranks = self.groups.pipeline_ranks
+        self.tp_ranks = self.groups.tensor_ranks if self.groups.tensor_size > 1 else []
         rank = dist.get_rank()
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        size = len(self._stage_ranks)
-        peers = {self._stage_ranks[(pp_rank - 1) % size], self._stage_ranks[(pp_rank + 1) % size]}
-        if self._tp_ranks:
-            leader = self._tp_ranks[0]
-            peers |= set(self._tp_ranks) if rank == leader else {leader}
+        pp_rank = self.groups.pipeline_rank
+        size = len(self.stage_ranks)
+        peers = {self.stage_ranks[(pp_rank - 1) % size], self.stage_ranks[(pp_rank + 1) % size]}
+        if self.tp_ranks:
+            leader = self.tp_ranks[0]
+            peers |= set(self.tp_ranks) if rank == leader else {leader}
         peers.discard(rank)
         kwargs: dict[str, Any] = dict(self.options.transport_options)
         if self.options.link_delay is not None:
             kwargs["link_delay"] = self.options.link_delay
-        transport = open_transport(self.options.transport, kwargs, self.device, self.timeout, peers)
+        transport = self._context.open_transport(self.options.transport, kwargs, peers)
         self.transport = transport
         return transport
 
@@ -190,7 +184,7 @@ class DppSession:
         self.last_order, self.last_sequence = step.order, step.sequence
         self.last_peak, self.last_peak_held = step.state.peak, step.peak_held
         self.last_weight_grad_bytes = step.largest_stash_bytes
-        self._steps += 1
+        self.steps += 1
         if step.split and not self._budget_measured and not isinstance(self.options.weight_grad_memory, str):
             self._measure_budget(float(self.options.weight_grad_memory))
         return records
@@ -204,7 +198,7 @@ class DppSession:
             return
         own = torch.cuda.max_memory_allocated(self.device)
         peak = torch.tensor([float(own)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
         self.weight_grad_bytes = max(0, int(factor * peak.item()) - own)
 
 
@@ -224,30 +218,31 @@ class _Step:
         self.session, self.transport, self.model = session, transport, model
         self.data_iterator, self.forward_step_func = data_iterator, forward_step_func
         self.config = get_model_config(model[0])
-        if getattr(self.config, "defer_embedding_wgrad_compute", False):
+        if self.config.defer_embedding_wgrad_compute:
             raise MegatronConfigError("schedule='dpp' does not support defer_embedding_wgrad_compute; turn it off.")
         self.model_type = get_model_type(model[0])
         self.forward_only = forward_only
         self.num_microbatches = num_microbatches
-        pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+        pipeline = session.groups.pipeline_size
         self.plan = StagePlan(
             pipeline,
-            parallel_state.get_pipeline_model_parallel_rank(),
+            session.groups.pipeline_rank,
             len(model),
             num_microbatches,
-            group=getattr(self.config, "microbatch_group_size_per_vp_stage", None) or pipeline,
+            group=self.config.microbatch_group_size_per_vp_stage or pipeline,
             forward_only=forward_only,
         )
         self.state = StageState(self.plan, 0 if forward_only else session.options.extra_activations)
-        self.step = session._steps
+        self.step = session.steps
         self.rank = dist.get_rank()
-        tp = session._tp_ranks
+        self.stage_ranks = session.stage_ranks
+        tp = self.tp_ranks = session.tp_ranks
         self.leader = not tp or self.rank == tp[0]
         self.followers = [r for r in tp if r != self.rank] if self.leader else []
         self.decisions = 0
         self.first_val_step: Optional[bool] = None
         self.collect_non_loss_data = False
-        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_size = session.groups.context_parallel_size
         self.device = session.device
         self.received: dict[Message, torch.Tensor] = {}
         self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
@@ -258,7 +253,7 @@ class _Step:
         self.order: list[Task] = []
         self.on_gpu = self.device.type == "cuda"
         self.in_flight: deque[tuple[Task, Any, Any]] = deque()
-        self.timers = self.config.timers
+        self.events = session.events
         self.split = session.options.split_weight_grads and not forward_only
         self.pending_w: deque[tuple[Task, list[WeightGrad]]] = deque()
         self.last_event: Optional[Any] = None  # GPUs: the end of the last task queued (W included)
@@ -329,12 +324,11 @@ class _Step:
         queued = 0.0
         for task, _start, end in self.in_flight:
             if not end.query():
-                queued += (getattr(policy, "forward_s", None) if task.phase == FORWARD else None) or 0.0
-                queued += (getattr(policy, "backward_s", None) if task.phase == BACKWARD else None) or 0.0
+                queued += policy.expected_seconds(task) or 0.0
         return time.monotonic() + queued
 
     def _told(self) -> Task:
-        leader = self.session._tp_ranks[0]
+        leader = self.tp_ranks[0]
         tag = message_tag(Message(DECISION, 0, self.decisions), self.step)
         code = None
         while self.pending_w and code is None:  # while the leader has not decided, fill with weight gradients
@@ -350,7 +344,7 @@ class _Step:
         return Task(BACKWARD if code[0] else FORWARD, int(code[1]), int(code[2]))
 
     def _keys(self, messages: Sequence[Message]) -> list[tuple[int, int]]:
-        return [(self.session._stage_ranks[self.plan.source_rank(m)], message_tag(m, self.step)) for m in messages]
+        return [(self.stage_ranks[self.plan.source_rank(m)], message_tag(m, self.step)) for m in messages]
 
     def _drain(self) -> None:
         awaited = self.state.awaited()
@@ -406,8 +400,7 @@ class _Step:
             tensor.requires_grad_()
         self.received[message] = tensor
         self.state.arrive(message)
-        if self.timers is not None:
-            self._p2p_trace("recv", message, tensor, lambda: None)
+        self._traced("recv", message, lambda: tensor)
 
     # -- running tasks --------------------------------------------------------------------------------
 
@@ -525,17 +518,10 @@ class _Step:
                 count += 1
         whole = count == len(stash)
         self.sequence.append(f"{'W' if whole else 'w'}{task.chunk}.{task.microbatch}")
-        timer = self.timers("weight-grad-compute") if self.timers is not None else None
-        if timer is not None:
-            timer.start()
-            for listener in getattr(self.timers, "listeners", ()):
-                listener.microbatch("weight-grad", task.chunk, task.microbatch)
-        try:
+        with self.events.span("weight-grad-compute"):
+            self.events.microbatch("weight-grad", task.chunk, task.microbatch)
             for weight_grad in stash[:count]:
                 weight_grad.run()
-        finally:
-            if timer is not None:
-                timer.stop()
         del stash[:count]  # what ran releases its tensors
         if self.on_gpu:
             self.last_event = torch.cuda.Event()
@@ -552,41 +538,29 @@ class _Step:
         return last is not None and not last.query()
 
     def _send(self, message: Message, tensor: torch.Tensor) -> None:
-        peer = self.session._stage_ranks[self.plan.destination_rank(message)]
+        peer = self.stage_ranks[self.plan.destination_rank(message)]
         payload = tensor.detach()
         if payload.device.type not in self.transport.devices:
             payload = payload.to("cpu")
         tag = message_tag(message, self.step)
-        if self.timers is None:
-            self.transport.isend(peer, tag, payload)
-        else:
-            self._p2p_trace("send", message, payload, lambda: self.transport.isend(peer, tag, payload))
+        self._traced("send", message, lambda: (self.transport.isend(peer, tag, payload), payload)[1])
 
     # -- tracing ------------------------------------------------------------------------------------
 
-    def _p2p_trace(self, direction: str, message: Message, tensor: torch.Tensor, action: Any) -> None:
-        """A span named as megatron-core names it around ``action``, with the message's identity for MegaScan
-        (its ``seq`` is the tag, the same on both ends, so flows pair up whatever the order)."""
-        timers = self.timers
-        name = _P2P_NAMES[(message.kind, direction)]
-        peer_rank = self.plan.destination_rank(message) if direction == "send" else self.plan.source_rank(message)
-        record = {
-            "peer": self.session._stage_ranks[peer_rank],
-            "bytes": tensor.numel() * tensor.element_size(),
-            "seq": message_tag(message, self.step),
-            "direction": "forward" if message.kind == ACTIVATION else "backward",
-            "microbatch": message.microbatch,
-            "stage": message.stage,
-        }
-        timer = timers(name)
-        timer.start()
-        try:
-            action()
-            describe = getattr(timers, "messages", None)
-            if describe is not None:
-                describe(name, [record] if direction == "send" else [], [record] if direction == "recv" else [])
-        finally:
-            timer.stop()
+    def _traced(self, way: str, message: Message, action: Any) -> None:
+        """``action`` reported as megatron-core's p2p span of the message (its tag is the ``seq`` both ends share,
+        so flows pair up whatever the order)."""
+        peer_rank = self.plan.destination_rank(message) if way == "send" else self.plan.source_rank(message)
+        traced_p2p(
+            self.events,
+            way,
+            "forward" if message.kind == ACTIVATION else "backward",
+            action,
+            peer=self.stage_ranks[peer_rank],
+            seq=message_tag(message, self.step),
+            microbatch=message.microbatch,
+            stage=message.stage,
+        )
 
 
 def _stash_bytes(stash: Sequence[WeightGrad]) -> int:

@@ -12,24 +12,38 @@ devices that would not train anyway, or for forward-heavy work.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from typing_extensions import override
+
 from lightning_megatron.pipeline.fbd.options import MODES, FbdOptions, parse_options
 from lightning_megatron.pipeline.fbd.roles import data_shard
-from lightning_megatron.pipeline.registry import ScheduleContext, register_schedule
+from lightning_megatron.pipeline.registry import Schedule, ScheduleContext, ScheduleSession, register_schedule
 
-__all__ = ["MODES", "FbdOptions"]
-
-
-def _open(context: ScheduleContext):  # noqa: ANN202
-    from lightning_megatron.pipeline.fbd.schedule import FbdSession  # megatron-core and transports load here
-
-    return FbdSession(context)
+__all__ = ["MODES", "FbdOptions", "FbdSchedule"]
 
 
-register_schedule(
-    "fbd",
-    open_session=_open,
-    virtual_stages=False,
-    parse_options=parse_options,
-    data_shard=data_shard,
-    description="MegaFBD rank split: forward replicas run forwards, backward replicas the backwards (mode=...)",
-)
+class FbdSchedule(Schedule):
+    """``schedule="fbd"``: the rank split; forward replicas read no data of their own (:meth:`data_shard`)."""
+
+    name = "fbd"
+    description = "MegaFBD rank split: forward replicas run forwards, backward replicas the backwards (mode=...)"
+    virtual_stages = False
+
+    @override
+    def parse_options(self, raw: Mapping[str, Any]) -> FbdOptions:
+        return parse_options(raw)
+
+    @override
+    def data_shard(self, options: Any, rank: int, size: int) -> tuple[int, int]:
+        return data_shard(options, rank, size)
+
+    @override
+    def open(self, context: ScheduleContext) -> ScheduleSession:
+        from lightning_megatron.pipeline.fbd.schedule import FbdSession  # megatron-core and transports load here
+
+        return FbdSession(context)
+
+
+register_schedule(FbdSchedule())

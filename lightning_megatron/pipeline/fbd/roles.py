@@ -19,10 +19,10 @@ so a rank can name the partner that serves a message whichever replica, stage an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from lightning_megatron.errors import MegatronConfigError
 
@@ -44,10 +44,10 @@ def check_replicas(forward_replicas: int, data_parallel: int) -> None:
         )
 
 
-def data_shard(options: object, rank: int, size: int) -> tuple[int, int]:
+def data_shard(options: Any, rank: int, size: int) -> tuple[int, int]:
     """The sampler's ``(rank, replicas)``: backward replicas split the data; a forward replica reads its first
     partner's shard (it never uses it: partners send the microbatches they run)."""
-    forward = int(getattr(options, "forward_replicas", 1))
+    forward = int(options.forward_replicas)
     backward = max(size - forward, 1)
     return (rank if rank < backward else (rank - backward) % backward), backward
 
@@ -64,18 +64,15 @@ class Roles:
     _grid: dict[tuple[int, int, int], int]
 
     @classmethod
-    def discover(cls, forward_replicas: int, device: torch.device) -> Roles:
-        """This rank's role and the map of every rank (one all-gather over the world, at session open)."""
-        dp = parallel_state.get_data_parallel_world_size()
+    def discover(cls, forward_replicas: int, device: torch.device, groups: Any) -> Roles:
+        """This rank's role and the map of every rank (one all-gather over the world, at session open), from the
+        session's process ``groups`` (:class:`~lightning_megatron.pipeline.registry.ScheduleGroups`)."""
+        dp = groups.data_size
         check_replicas(forward_replicas, dp)
-        if parallel_state.get_context_parallel_world_size() != 1:
+        if groups.context_parallel_size != 1:
             raise MegatronConfigError("schedule='fbd' does not run with context parallelism; set its size to 1.")
         mine = torch.tensor(
-            [
-                parallel_state.get_data_parallel_rank(),
-                parallel_state.get_pipeline_model_parallel_rank(),
-                parallel_state.get_tensor_model_parallel_rank(),
-            ],
+            [groups.data_rank, groups.pipeline_rank, groups.tensor_rank],
             dtype=torch.int64,
             device=device,
         )
@@ -87,7 +84,7 @@ class Roles:
             backward_replicas=dp - forward_replicas,
             replica=int(mine[0]),
             stage=int(mine[1]),
-            stages=parallel_state.get_pipeline_model_parallel_world_size(),
+            stages=groups.pipeline_size,
             tensor_rank=int(mine[2]),
             _grid=grid,
         )

@@ -64,8 +64,8 @@ from lightning_megatron.pipeline.fbd.wiring import (
     peers,
 )
 from lightning_megatron.pipeline.gradsync import GradSync
-from lightning_megatron.pipeline.registry import ScheduleContext
-from lightning_megatron.pipeline.transports import open_transport
+from lightning_megatron.pipeline.registry import ScheduleContext, ScheduleGroups, StepEvents
+from lightning_megatron.pipeline.tracing import traced_p2p
 from lightning_megatron.transport import Transport
 
 __all__ = ["FbdSession"]
@@ -119,6 +119,9 @@ class FbdSession:
         self.options: FbdOptions = context.options
         self.device = torch.device(context.device)
         self.timeout = float(context.timeout)
+        self.groups: ScheduleGroups = context.groups
+        self.events: StepEvents = context.events
+        self._context = context
         self.transport: Optional[Transport] = None
         self.roles: Optional[Roles] = None
         self.link = (0.0, float("inf"))
@@ -126,22 +129,22 @@ class FbdSession:
         self.prediction: Optional[float] = None
         """The performance model's step seconds (after the third step), on every rank."""
         self.parts: Optional[Parts] = None
-        self._clock: Optional[_Clock] = None
+        self.clock: Optional[_Clock] = None
+        """The device-time clock over the measured steps (one for all of them)."""
         self.forward_stages = 0
         """How many pipeline stages' forwards the forward replicas run (see :func:`forward_stages`)."""
-        self._steps = 0
+        self.steps = 0
+        """Steps run so far (the next training step's index, part of every message tag)."""
 
     # -- lifetime -------------------------------------------------------------------------------------
 
     def _connect(self, config: Any) -> tuple[Roles, Transport]:
         if self.roles is not None and self.transport is not None:
             return self.roles, self.transport
-        roles = Roles.discover(self.options.forward_replicas, self.device)
+        roles = Roles.discover(self.options.forward_replicas, self.device, self.groups)
         self.forward_stages = forward_stages(self.options.mode, roles.stages, dropout_of(config))
         partners = peers(roles, self.options.mode, self.forward_stages)
-        transport = open_transport(
-            self.options.transport, self.options.transport_options, self.device, self.timeout, partners
-        )
+        transport = self._context.open_transport(self.options.transport, self.options.transport_options, partners)
         try:
             self.link = calibrate(roles, self.forward_stages, transport, self.timeout)
         except BaseException:
@@ -194,9 +197,9 @@ class FbdSession:
             )
         step = _Step(self, roles, transport, model[0], data_iterator[0], forward_step_func, num_microbatches)
         records = step.run_forward() if roles.is_forward else step.run_backward()
-        if self._steps == _MEASURED_STEPS[-1]:
+        if self.steps == _MEASURED_STEPS[-1]:
             self._model(step)
-        self._steps += 1
+        self.steps += 1
         return records
 
     def _model(self, step: _Step) -> None:
@@ -274,13 +277,14 @@ class _Step:
         self.num_microbatches = num_microbatches
         self.config = get_model_config(model)
         self.model_type = get_model_type(model)
-        self.step = session._steps
+        self.step = session.steps
         self.ship = session.options.mode == "ship"
         self.device = session.device
         self.timeout = session.timeout
-        if session._clock is None or session._steps in (_MEASURED_STEPS[0], _MEASURED_STEPS[-1] + 1):
-            session._clock = _Clock(self.device, session._steps in _MEASURED_STEPS)
-        self.clock = session._clock  # one clock over the measured steps
+        self.events = session.events
+        if session.clock is None or session.steps in (_MEASURED_STEPS[0], _MEASURED_STEPS[-1] + 1):
+            session.clock = _Clock(self.device, session.steps in _MEASURED_STEPS)
+        self.clock = session.clock  # one clock over the measured steps
         self.bytes: dict[int, float] = {}
         self.sync_s = 0.0
         self.dropout = dropout_of(self.config)
@@ -307,31 +311,12 @@ class _Step:
         return tensor.to(self.device) if tensor.device != self.device else tensor
 
     def _traced(self, way: str, kind: int, peer: int, tag: int, m: int, action: Any) -> torch.Tensor:
-        """``action()`` inside the span megatron-core's timers would name (``forward-send``, ...) for the messages
-        MegaScan draws as flows (stage inputs, bundles, gradients), with the tag as the ``seq`` both ends share."""
-        timers = self.config.timers
+        """``action()`` reported as megatron-core's p2p span (``forward-send``, ...) for the messages MegaScan draws as
+        flows (stage inputs, bundles, gradients), with the tag as the ``seq`` both ends share."""
         direction = _TRACED.get(kind)
-        if timers is None or direction is None:
+        if direction is None:
             return action()
-        name = f"{direction}-{way}"
-        timer = timers(name)
-        timer.start()
-        try:
-            tensor = action()
-            describe = getattr(timers, "messages", None)
-            if describe is not None:
-                record = {
-                    "peer": peer,
-                    "bytes": tensor.numel() * tensor.element_size(),
-                    "seq": tag,
-                    "direction": direction,
-                    "microbatch": m,
-                    "stage": self.roles.stage,
-                }
-                describe(name, [record] if way == "send" else [], [record] if way == "recv" else [])
-            return tensor
-        finally:
-            timer.stop()
+        return traced_p2p(self.events, way, direction, action, peer=peer, seq=tag, microbatch=m, stage=self.roles.stage)
 
     def _forward(self, microbatches: Any, m: int, input_tensor: Optional[torch.Tensor], store: list) -> tuple:
         microbatches.seek(m)

@@ -33,7 +33,8 @@ def message_tag(step: int, kind: int, replica: int, microbatch: int, part: int =
 
 
 def dropout_of(config: Any) -> float:
-    return max(getattr(config, "hidden_dropout", 0.0) or 0.0, getattr(config, "attention_dropout", 0.0) or 0.0)
+    """The largest dropout probability of megatron-core's ``TransformerConfig`` (0: recomputes draw no masks)."""
+    return max(config.hidden_dropout or 0.0, config.attention_dropout or 0.0)
 
 
 def forward_stages(mode: str, stages: int, dropout: float) -> int:

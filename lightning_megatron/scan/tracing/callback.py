@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.profilers import PyTorchProfiler
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
+from typing_extensions import override
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scan.analysis.format import TID, clock_metadata, open_for_append, rank_file_name, rank_metadata
@@ -253,6 +254,7 @@ class MegaScan(pl.Callback, StepListener):
         return (step - self.start_step) % self.interval == self.window - 1 or step == max_steps - 1
 
     # -- set-up ------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning_megatron.strategy import MegatronAppStrategy
 
@@ -290,6 +292,7 @@ class MegaScan(pl.Callback, StepListener):
             # ranks' loggers guess their version number themselves, after rank 0 created its version directory.
             self.trace_dir = Path(trainer.log_dir or trainer.default_root_dir) / "megascan"
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy
         parallel = strategy.parallel
@@ -367,6 +370,7 @@ class MegaScan(pl.Callback, StepListener):
         self._file.write("".join(json.dumps(e, separators=(",", ":")) + ",\n" for e in events))
 
     # -- the traced step ---------------------------------------------------------------------------
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -424,9 +428,11 @@ class MegaScan(pl.Callback, StepListener):
         dtype = config.pipeline_dtype or torch.float32
         return seq * self._strategy.micro_batch_size * config.hidden_size * torch.finfo(dtype).bits // 8
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_batch_end = None  # the wait before the next training batch is not data loading
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -563,6 +569,7 @@ class MegaScan(pl.Callback, StepListener):
         return {"step": step, "sends": messages("send", sends), "recvs": messages("recv", recvs)}
 
     # -- the end -----------------------------------------------------------------------------------
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._recorder is None:
             return
@@ -582,9 +589,11 @@ class MegaScan(pl.Callback, StepListener):
         if self.detect:
             self.report = trainer.strategy.broadcast(self.report, src=0)
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
         if self._strategy is not None:

@@ -12,7 +12,8 @@ An asynchronous collective (``async_op=True``) gets two spans: the collective it
 ``collective.wait``), the time the rank actually blocked in ``wait()``: that part is waiting for peers and is
 taken out of net compute like a blocking collective. Point-to-point operations are not
 wrapped (``P2POp`` refuses wrapped functions); the schedules' own timers cover them. Untraced steps run
-the original functions, untouched.
+the original functions, untouched. The one replacement of other projects' functions outside ``compat/`` (it is
+the tracer's own machinery); listed in ``lightning_megatron.compat.inventory``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Tensor-parallel communication overlapped with the GEMMs of megatron-core's parallel linear layers, without
 Transformer Engine (``MegatronAppStrategy(tp_comm_overlap=True)``).
 
-Contract: with :class:`TPCommOverlap` given to :func:`~lightning_megatron.pipeline.wgrad.split_linears`, every
+Contract: with :class:`TPCommOverlap` given to :func:`~lightning_megatron.layers.wgrad.split_linears`, every
 ``ColumnParallelLinear`` and ``RowParallelLinear`` it takes computes the same outputs and gradients as megatron-core
 (the same collectives of the same group, on chunks of tokens; see :mod:`.collective_matmul`), and hands its weight
-gradient to :func:`~lightning_megatron.pipeline.wgrad_accumulate.weight_grad` like the B/W split does (computed at once, or
+gradient to :func:`~lightning_megatron.layers.wgrad_accumulate.weight_grad` like the B/W split does (computed at once, or
 stashed for a zero-bubble schedule's W; fused into fp32 ``main_grad`` where that applies).
 
 What each layer overlaps (``s`` tokens, sequence parallelism = SP, the token dimension cut into ``chunks``):
@@ -38,13 +38,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.pipeline.collective_matmul import (
+from lightning_megatron.layers.collective_matmul import (
     Pending,
     all_gather_matmul,
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
-from lightning_megatron.pipeline.wgrad_accumulate import weight_grad
+from lightning_megatron.layers.wgrad_accumulate import weight_grad
 
 __all__ = ["TPCommOverlap", "column_linear", "row_forward", "tp_comm_overlap_options"]
 
@@ -161,7 +161,7 @@ def column_linear(
     accumulate: bool = True,
 ) -> torch.Tensor:
     """What megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` computes, overlapped
-    (``accumulate``: see :func:`~lightning_megatron.pipeline.wgrad_accumulate.weight_grad`)."""
+    (``accumulate``: see :func:`~lightning_megatron.layers.wgrad_accumulate.weight_grad`)."""
     return _ColumnLinear.apply(
         input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, overlap.chunks, accumulate
     )

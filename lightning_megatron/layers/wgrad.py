@@ -6,7 +6,8 @@ megatron-core 0.16.1 cannot: its ``LinearWithGradAccumulationAndAsyncCommunicati
 gradient inside the backward (the ``delay_wgrad_compute`` path needs Transformer Engine and MoE overlap).
 
 :func:`split_linears` gives every ``ColumnParallelLinear`` and ``RowParallelLinear`` of the model chunks (the
-output layer included) an autograd function of ours, per instance and undone by :meth:`SplitLinears.restore`:
+output layer included) an autograd function of ours, per instance (installed by ``compat.megatron_linear``) and
+undone by :meth:`SplitLinears.restore`:
 
 * its forward is megatron-core's (the sequence-parallel all-gather, the matmul, the bias);
 * its backward computes the input gradient with megatron-core's tensor-parallel all-reduce or reduce-scatter and
@@ -33,7 +34,6 @@ megatron-core's does, so the overlap alone does not change the accumulation.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from lightning_megatron.compat import symmetric_all_reduce
-from lightning_megatron.pipeline.tp_overlap import column_linear, row_forward
-from lightning_megatron.pipeline.wgrad_accumulate import weight_grad
+from lightning_megatron.compat import megatron_linear, symmetric_all_reduce
+from lightning_megatron.layers.tp_overlap import column_linear, row_forward
+from lightning_megatron.layers.wgrad_accumulate import weight_grad
 
 __all__ = ["SplitLinears", "split_linears"]
 
@@ -153,15 +153,14 @@ class SplitLinears:
 
     def restore(self) -> None:
         for module in self.modules:
-            module.__dict__.pop("_forward_impl", None)
-            module.__dict__.pop("forward", None)  # a row-parallel layer's overlapped forward
+            megatron_linear.restore(module)  # _forward_impl, and a row-parallel layer's overlapped forward
         self.modules = []
 
 
 def split_linears(chunks: Sequence[torch.nn.Module], overlap: Any = None, accumulate: bool = True) -> SplitLinears:
     """Give every tensor-parallel linear layer of ``chunks`` (DDP-wrapped or not) the B/W-split backward.
 
-    With ``overlap`` (a :class:`~lightning_megatron.pipeline.tp_overlap.TPCommOverlap`) their tensor-parallel
+    With ``overlap`` (a :class:`~lightning_megatron.layers.tp_overlap.TPCommOverlap`) their tensor-parallel
     communication is also overlapped with their GEMMs. ``accumulate=False``: outside a :func:`~.wgrad_accumulate.collecting` stash
     the weight gradient goes back through autograd as in megatron-core (no fused ``main_grad`` accumulation; for
     ``tp_comm_overlap`` without ``gradient_accumulation_fusion``). A layer already changed (by an earlier call) is
@@ -170,15 +169,16 @@ def split_linears(chunks: Sequence[torch.nn.Module], overlap: Any = None, accumu
     modules = []
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and "_forward_impl" not in module.__dict__:
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not megatron_linear.is_replaced(
+                module
+            ):
                 if getattr(module.config, "gradient_accumulation_fusion", False):
                     continue  # apex's fused wgrad GEMM: keep megatron-core's path (not available without apex)
-                module._forward_impl = types.MethodType(
-                    functools.partial(_split_forward_impl, overlap=overlap, accumulate=accumulate), module
+                row_overlap = overlap is not None and isinstance(module, RowParallelLinear)
+                megatron_linear.replace(
+                    module,
+                    functools.partial(_split_forward_impl, overlap=overlap, accumulate=accumulate),
+                    functools.partial(row_forward, overlap=overlap, accumulate=accumulate) if row_overlap else None,
                 )
-                if overlap is not None and isinstance(module, RowParallelLinear):
-                    module.forward = types.MethodType(
-                        functools.partial(row_forward, overlap=overlap, accumulate=accumulate), module
-                    )
                 modules.append(module)
     return SplitLinears(modules)

@@ -2,7 +2,7 @@
 
 The contract: :func:`symmetric_ar_option` checks the strategy's ``symmetric_ar_type`` when the strategy is built;
 :class:`TensorParallelLayers` installs, for one fit, the weight-gradient split (``gradient_accumulation_fusion``,
-``pipeline.wgrad``), the overlapped collectives (``tp_comm_overlap``, ``pipeline.tp_overlap``) and the
+``layers.wgrad``), the overlapped collectives (``tp_comm_overlap``, ``layers.tp_overlap``) and the
 symmetric-memory all-reduce (``compat.symmetric_all_reduce``), and :meth:`~TensorParallelLayers.restore` undoes
 all three, so the model's layers are megatron-core's again after the fit (serving, generation, the next fit).
 """
@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_megatron.compat import symmetric_all_reduce
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.pipeline.tp_overlap import TPCommOverlap
-from lightning_megatron.pipeline.wgrad import SplitLinears, split_linears
+from lightning_megatron.layers.tp_overlap import TPCommOverlap
+from lightning_megatron.layers.wgrad import SplitLinears, split_linears
 
 __all__ = ["TensorParallelLayers", "symmetric_ar_option"]
 
