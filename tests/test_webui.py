@@ -643,6 +643,13 @@ def test_training_panel_follows_a_live_fit(browser: Any, shots: Path) -> None:
         page.wait_for_selector("[data-testid=train-state][data-state=paused]")
         assert page.locator("[data-testid=tab-training]").count() == 1
         assert page.locator("[data-testid=tab-text]").count() == 0  # no generation on a training run
+        assert "TP1×PP1×DP1" in page.inner_text("[data-testid=model]"), page.inner_text("[data-testid=model]")
+        assert "Probes of every step from step 0" in page.inner_text("[data-testid=training-controls]")
+        page.evaluate(  # how a run sampling every 2nd step is described (the server's facts, as it would send them)
+            """() => { const info = megascope.info.value; megascope.info.value = {...info,
+                engine: {...info.engine, sampled: {interval: 2, window: 1, start_step: 0}}}; }"""
+        )
+        assert "Probes of every 2nd step from step 0" in page.inner_text("[data-testid=training-controls]")
 
         def steps() -> list[int]:
             return page.evaluate("megascope.training.steps.map((s) => s.step)")
@@ -658,6 +665,9 @@ def test_training_panel_follows_a_live_fit(browser: Any, shots: Path) -> None:
         assert page.get_attribute("[data-testid=train-state]", "data-state") == "paused"
         # a perturbation: the next steps report Δ loss
         page.click("[data-testid=add-perturbation]")
+        page.fill("[data-testid=perturbation-0-site]", "calculation")
+        clipped = page.eval_on_selector("[data-testid=perturbation-0-site]", "(e) => e.scrollWidth - e.clientWidth")
+        assert clipped <= 0, f"the site field cuts 'calculation' short by {clipped} px"
         page.fill("[data-testid=perturbation-0-strength]", "0.5")
         page.check("[data-testid=perturbation-0-enabled]")
         page.wait_for_selector("[data-testid=perturbations-active]:has-text('1 active')")
@@ -684,6 +694,9 @@ def test_training_panel_follows_a_live_fit(browser: Any, shots: Path) -> None:
         fit.proc.kill()  # a paused run ignores SIGTERM (Lightning defers it to a step boundary)
         page.wait_for_selector("[data-testid=connection][data-state=disconnected]", timeout=30_000)
         assert page.locator("[data-testid=disconnected]").count() == 1
+        page.wait_for_selector("[data-testid=train-state][data-state=ended]")  # not "running", nothing to press
+        for button in ("train-pause", "train-resume", "train-step"):
+            assert page.is_disabled(f"[data-testid={button}]"), button
         save_shot(page, shots, "disconnected")
     finally:
         if page is not None:
