@@ -650,6 +650,10 @@ def test_training_panel_follows_a_live_fit(browser: Any, shots: Path) -> None:
                 engine: {...info.engine, sampled: {interval: 2, window: 1, start_step: 0}}}; }"""
         )
         assert "Probes of every 2nd step from step 0" in page.inner_text("[data-testid=training-controls]")
+        page.evaluate(
+            """() => { const info = megascope.info.value; megascope.info.value = {...info,
+                engine: {...info.engine, sampled: {interval: 1, window: 1, start_step: 0}}}; }"""
+        )
 
         def steps() -> list[int]:
             return page.evaluate("megascope.training.steps.map((s) => s.step)")
