@@ -337,3 +337,47 @@ def typo_errors(world: int, model: dict[str, Any], **layout: Any) -> list[str]:
         except Exception as err:  # noqa: BLE001
             messages.append(f"{type(err).__name__}: {err}")
     return messages
+
+
+def perturbation_held_during_training(world: int, steps: int, off_at: int, **layout: Any) -> dict[str, Any]:
+    """A fit with MegaScope and a gaussian perturbation on ``calculation`` from the first step, switched off by a
+    command before step ``off_at``: per step, how many activations the perturbation changed on this rank and by
+    how much (a spy on the perturber's own function, which it still runs), and the step's logged metrics."""
+    import lightning.pytorch as pl
+    from cases import fit_gpt
+
+    from lightning_megatron.scope.callback import MegaScope
+    from lightning_megatron.scope.perturb import Perturber
+
+    scope = MegaScope(
+        interval=2,
+        serve=False,
+        perturbations=[{"site": "calculation", "kind": "gaussian", "strength": 1.0, "seed": 5}],
+        command_timeout=0.2,
+    )
+    changed: dict[int, list[float]] = {}
+    logged: dict[int, dict[str, float]] = {}
+    original = Perturber._perturbed
+
+    def spy(self: Any, pert: Any, point: Any, x: torch.Tensor) -> torch.Tensor:
+        out = original(self, pert, point, x)
+        if self.tap.state.phase == "forward" and torch.is_grad_enabled():  # the training forwards only
+            changed.setdefault(self.tap.state.step, []).append(float((out - x).detach().abs().mean()))
+        return out
+
+    class Switch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            if trainer.global_step == off_at and trainer.is_global_zero:
+                scope.set_perturbations([])  # as a client's set_perturbations: applied before this step
+
+    class Metrics(pl.Callback):  # after MegaScope, which logs its metrics in on_train_batch_end
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("scope/")}
+            logged[trainer.global_step - 1] = metrics
+
+    Perturber._perturbed = spy  # type: ignore[method-assign]
+    try:
+        fit_gpt(world, steps=steps, callbacks=[Switch(), scope, Metrics()], **layout)
+    finally:
+        Perturber._perturbed = original  # type: ignore[method-assign]
+    return {"changed": changed, "logged": logged, "history": scope.history}

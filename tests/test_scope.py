@@ -13,6 +13,7 @@ from scope_cases import (
     captures_at_layout,
     engine_events,
     fit_with_scope,
+    perturbation_held_during_training,
     perturbation_statistics,
     perturbed_gradients,
     typo_errors,
@@ -257,3 +258,31 @@ def test_mistyped_names_are_errors_not_silence(ranks: Any) -> None:
         assert len(messages) == 2 and all(m.startswith("MegatronConfigError") for m in messages), messages
         assert "'blocks.1.hook_resid_pots' matches no probe point" in messages[0]
         assert "'blocks.9.hook_z') matches no probe point" in messages[1]
+
+
+def test_a_perturbation_stays_applied_while_it_is_on_during_training(ranks: Any) -> None:
+    """TP2 x PP2, 4 processes: a gaussian perturbation on ``calculation`` changes every training forward of every
+    step by its strength on every rank while it is on (not only the first steps, nor only the sampled ones);
+    each sampled step's Δ loss is the perturbation's, not zero; switched off, nothing is perturbed any more."""
+    steps, off_at = 14, 10
+    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    results = ranks.run(4, perturbation_held_during_training, 4, steps, off_at, timeout=600, **layout)
+    for rank, result in enumerate(results):
+        changed = result["changed"]
+        on = [changed.get(step, []) for step in range(off_at)]
+        counts = {len(calls) for calls in on}
+        # 2 layers of this stage x 2 sites x 4 microbatches, at every step while on
+        assert counts == {16}, f"rank {rank}: perturbed activations per step {[len(c) for c in on]}"
+        means = [sum(calls) / len(calls) for calls in on]
+        assert all(0.6 < m < 1.0 for m in means), f"rank {rank}: mean |noise| per step {means} (E|N(0,1)| = 0.80)"
+        assert not any(changed.get(step) for step in range(off_at, steps)), f"rank {rank}: perturbed after off"
+        for step in range(off_at):
+            assert result["logged"][step].get("scope/perturbed") == 1.0, (rank, step, result["logged"][step])
+    history = results[0]["history"]
+    deltas = {h["step"]: h["delta_loss"] for h in history if "delta_loss" in h}
+    assert sorted(deltas) == list(range(0, off_at, 2)), deltas
+    assert all(abs(d) > 1e-3 for d in deltas.values()), f"Δ loss per sampled step while on: {deltas}"
+    for h in history:
+        if "clean_loss" in h:
+            assert h["delta_loss"] == pytest.approx(h["train_loss"] - h["clean_loss"], abs=1e-6)
+    assert all("perturbed" not in h for h in history if h["step"] >= off_at)

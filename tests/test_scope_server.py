@@ -495,6 +495,25 @@ def test_info_ack_and_train_refusal(client):
     assert "training controls need" in reply["message"]
 
 
+def test_perturbations_set_by_one_client_are_told_to_the_others(server):
+    """The client that sets perturbations gets its ack; every other client gets an ``info`` holding the new set,
+    so no page shows "off" while the engine applies a perturbation another page chose."""
+    setter, watcher = Client(server), Client(server)
+    try:
+        perturbation = {"site": PROBE, "kind": "zero", "strength": 0.5}
+        reply = setter.ask({"v": 1, "type": "set_perturbations", "id": "s", "perturbations": [perturbation]})
+        assert reply == {"v": 1, "type": "ack", "id": "s"}
+        told = watcher.next()
+        assert (told["type"], told["id"]) == ("info", "perturbations-changed")
+        assert [{key: p[key] for key in perturbation} for p in told["engine"]["perturbations"]] == [perturbation]
+        assert setter.ask(ping("after"))["type"] == "pong"  # the setter's own stream holds its replies only
+        setter.ask({"v": 1, "type": "set_perturbations", "id": "s2", "perturbations": []})
+        assert watcher.next()["engine"]["perturbations"] == []
+    finally:
+        setter.close()
+        watcher.close()
+
+
 # -- generation -----------------------------------------------------------------------------------------------
 def reference_forward(module: GPTModule, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The first layer's output ([seq, hidden]) and the logits ([seq, VOCAB]) at every position of ``ids``, by one

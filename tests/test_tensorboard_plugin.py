@@ -37,7 +37,22 @@ from lightning_megatron.tensorboard.plugin import MegaScanPlugin  # noqa: E402
 CHROMIUM = os.environ.get("LM_CHROMIUM", "/usr/bin/chromium")
 SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "tensorboard_megascan.png"
 MAIN, OTHER = "gpt-synthetic/version_0/megascan", "other/version_0/megascan"
-SLOW_MAIN, SLOW_OTHER = 5, 2
+HOST = "host-waits/version_0/megascan"
+SLOW_MAIN, SLOW_OTHER, SLOW_HOST = 5, 2, 1
+HOST_EVIDENCE = {
+    "rule": "training thread's waits for a CPU (run-queue delay) per step against the other ranks'",
+    "cpu_wait_ms": 230.05,
+    "baseline_ms": 0.42,
+    "hit_steps_fraction": 1.0,
+    "steps": 3,
+    "p_value": 0.002,
+    "alpha": 0.0025,
+    "peers": 3,
+    "impact_ms": 229.63,
+    "step_ms": 812.5,
+    "later_steps": [2, 3],
+    "why_host": "a long reason without spaces:" + "x" * 300,
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +65,15 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     main = logs / MAIN
     generate_traces(main, dp=2, pp=2, tp=2, steps=4, microbatches=4, slow_ranks={SLOW_MAIN: 1.5}, seed=1)
     (main / REPORT_FILE).write_text(detect(main).to_json())
+    # a saved report naming a rank for its training thread's CPU waits (scan.cpu_rules), as a real run writes it
+    host = logs / HOST
+    generate_traces(host, dp=2, pp=1, tp=2, steps=3, seed=3)
+    report = json.loads(detect(host).to_json())
+    report["suspects"] = [
+        {"rank": SLOW_HOST, "dp": 0, "pp": 0, "tp": 1, "host": "node-a", "kind": "host", "slowdown": 0.28,
+         "peer": None, "evidence": HOST_EVIDENCE}
+    ]  # fmt: skip
+    (host / REPORT_FILE).write_text(json.dumps(report))
     newest = time.time() + 5
     for path in main.iterdir():
         os.utime(path, (newest, newest))
@@ -114,7 +138,7 @@ def test_plugin_metadata_and_activity(logdir: Path, tmp_path: Path) -> None:
 
 def test_runs_route_lists_runs_inside_the_logdir_only(client: Client) -> None:
     runs = {run["name"]: run for run in get_json(client, "/runs")["runs"]}
-    assert set(runs) == {MAIN, OTHER}  # not the linked directory, not the directory of a linked rank file
+    assert set(runs) == {MAIN, OTHER, HOST}  # not the linked directory, not the directory of a linked rank file
     assert runs[MAIN]["ranks"] == 8 and runs[MAIN]["report"] is True
     assert runs[OTHER]["ranks"] == 4 and runs[OTHER]["report"] is False
 
@@ -127,6 +151,10 @@ def test_suspects_route_names_the_slowed_rank(client: Client) -> None:
     assert top["evidence"]["impact_ms"] > 0 and top["slowdown"] > 0.3
     stages = saved["report"]["bubbles"]["stages"]  # PP2: the pipeline bubbles of each stage (scan.analysis.bubbles)
     assert [s["stage"] for s in stages] == [0, 1] and all(s["bubble_ms"] > 0 for s in stages)
+
+    assert "net compute" in top["evidence_text"], top["evidence_text"]  # scan.report's words, for the tab
+    host = get_json(client, f"/suspects?run={HOST}")["report"]["suspects"][0]
+    assert host["evidence_text"].startswith("training thread waited for a CPU 230.05 ms per step vs 0.42 ms")
 
     missing = get_json(client, f"/suspects?run={OTHER}")
     assert missing["source"] is None and missing["report"] is None
@@ -318,11 +346,34 @@ def test_tab_renders_in_chromium(tensorboard: str, tmp_path: Path) -> None:
             assert "bubble fraction" in summary and "in theory (P-1)/(M+P-1)" in summary, summary
             shot = tmp_path / "tab.png"
             page.screenshot(path=str(shot))
+            _all_numbers_are_listed(tab, SLOW_MAIN)
+            # a host suspect named for its CPU waits: its evidence says so (not "data-wait")
+            tab.locator("#megascan-run").select_option(HOST)
+            host_row = tab.locator(f'#megascan-suspects-table tr[data-rank="{SLOW_HOST}"]')
+            host_row.wait_for()
+            evidence = host_row.locator("td.ms-evidence-cell").inner_text()
+            assert "waited for a CPU 230.05 ms per step" in evidence and "data-wait" not in evidence, evidence
+            _all_numbers_are_listed(tab, SLOW_HOST)
         finally:
             browser.close()
     assert not errors, errors
     if os.environ.get("LM_UPDATE_SCREENSHOTS"):  # the README's picture changes only when asked (a clean tree)
         _save_small_png(shot, SCREENSHOT)
+
+
+def _all_numbers_are_listed(tab: Any, rank: int) -> None:
+    """Expanding a suspect's "all numbers" lists each evidence field as a name and its value, inside the card."""
+    row = tab.locator(f'#megascan-suspects-table tr[data-rank="{rank}"]')
+    row.locator("details.ms-evidence summary").click()
+    listing = row.locator("details.ms-evidence dl")
+    listing.wait_for()
+    text = listing.inner_text()
+    assert "[object" not in text, text[:300]
+    names = listing.locator("dt").all_inner_texts()
+    assert "impact_ms" in names and listing.locator("dd").count() == len(names), names
+    overflow = tab.locator("#megascan-suspects").evaluate("(card) => card.scrollWidth - card.clientWidth")
+    assert overflow <= 1, f"the suspects card overflows by {overflow} px"
+    row.locator("details.ms-evidence summary").click()  # closed again
 
 
 def _save_small_png(source: Path, target: Path, limit: int = 300_000) -> None:

@@ -159,6 +159,28 @@ def test_replay_stream_follows_the_schema() -> None:
     assert kinds["attention"] == 2 * (16 + 2)  # prefill rows in 64-row chunks (1,021 queries), then one row each
 
 
+def test_streamed_text_shows_each_character_whole(tmp_path: Path) -> None:
+    """Token by token, a byte-level BPE row's text never shows U+FFFD for a character split over tokens: the
+    tokens before the last of its bytes add nothing, that one adds the character, and the shares add up to the
+    text (what `scope serve` streams as each token's ``text``)."""
+    from lightning_megatron.data.tokenizers import train_bpe_tokenizer
+    from lightning_megatron.scope.engine import StreamedText
+
+    tokenizer = train_bpe_tokenizer(["the wroth of the people, and the lord said"] * 50, 300, tmp_path)
+    text = "And he was wroth — “Lord” naïve ☃ 日本 and"
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "the text has characters split over tokens"
+    row = StreamedText(tokenizer.decode, ids[:3])  # a prompt, then the rest token by token as generated
+    shares = [*row.shares, *(row.push(i) for i in ids[3:])]
+    assert "".join(shares) == text
+    assert not any("\ufffd" in share for share in shares), shares
+    assert "" in shares and "☃" in shares and "日" in shares
+    lone = StreamedText(tokenizer.decode, tokenizer.encode("a"))
+    assert lone.push(tokenizer.encode("☃")[0]) == "" and lone.push(tokenizer.encode(" ")[0]) == "\ufffd ", (
+        "a byte never completed is shown (as U+FFFD) once the next token shows it cannot be"
+    )
+
+
 # -- browser fixtures ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -479,6 +501,108 @@ def test_perturbation_changes_the_output_and_off_restores_it(ui: Page, shots: Pa
     ui.check_clean()
 
 
+def test_a_token_url_serves_every_tab_while_the_server_runs(browser: Any, served: str) -> None:
+    """The token is the server's, not one page's: a second tab opened with the printed address connects too (the
+    page says so where it explains the token, and never calls it one-time)."""
+    first, second = Page(browser, served), Page(browser, served)
+    try:
+        for page in (first, second):
+            assert page.get_attribute("[data-testid=connection]", "data-state") == "connected"
+            page.check_clean()
+    finally:
+        first.close()
+        second.close()
+    bundle = "".join(p.read_text(errors="replace") for p in (STATIC / "assets").glob("*.js"))
+    assert "one-time" not in bundle and "as that server runs" in bundle
+
+
+def test_context_limit_is_said_not_hidden(ui: Page) -> None:
+    """More new tokens than the model's context holds: the field says the limit, and the ended generation says
+    the context, not the request, stopped it."""
+    context = ui.evaluate("megascope.info.value.engine.model.max_seq_length")
+    ui.click("[data-testid=tab-text]")
+    ui.fill("[data-testid=max-new-tokens]", str(context + 50))
+    hint = ui.inner_text("[data-testid=context-hint]")
+    assert f"The model sees {context} tokens" in hint and f"at most {context - 1} new ones" in hint, hint
+    assert ui.get_attribute("[data-testid=max-new-tokens]", "max") == str(context - 1)
+    result = generate(ui, ["In the beginning God created the heaven and the earth"], tokens=context + 50)
+    assert result["status"] == "done", result
+    given = len(result["ids"][0])
+    assert given < context + 50
+    badge = ui.locator("[data-testid=reason-0]")
+    assert badge.inner_text() == f"context full: {given} of {context + 50}", badge.inner_text()
+    assert f"the model sees {context} tokens" in badge.get_attribute("title")
+    ui.fill("[data-testid=max-new-tokens]", "16")
+    ui.check_clean()
+
+
+def test_characters_split_over_tokens_stream_whole(ui: Page) -> None:
+    """A character whose UTF-8 bytes span several byte-level tokens shows whole, never as U+FFFD pieces."""
+    ui.click("[data-testid=tab-text]")
+    prompt = "And the naïve café — “wroth” ☃ 日本"
+    result = generate(ui, [prompt], tokens=4)
+    assert result["status"] == "done", result
+    shown = ui.inner_text("[data-testid=output-0]")
+    assert shown.startswith(prompt), shown  # (the 2-step model's own bytes after it may well be invalid UTF-8)
+    cells = ui.evaluate("megascope.generation.value.prompts[0].cells.filter((c) => c.inPrompt).map((c) => c.text)")
+    assert "".join(cells) == prompt and len(cells) > len(prompt.split()), cells
+    assert ui.locator("[data-testid=output-0] .tok.part").count() > 0  # bytes shown with their character
+    ui.check_clean()
+
+
+def test_attention_of_a_shorter_prompt_ends_with_it(ui: Page) -> None:
+    """In a batch, a shorter prompt's new tokens end before the longer one's: its attention matrix has no rows
+    past its end (no "∅" label, no tooltip of a token it does not have)."""
+    ui.click("[data-testid=tab-text]")
+    ui.evaluate("megascope.settings.attentionLayers = [0]")
+    generate(ui, ["And", "In the beginning God created the heaven and the earth"], tokens=6)
+    ui.click("[data-testid=tab-attention]")
+    ui.select_option("[data-testid=attention-prompt]", "0")
+    ui.wait_for_timeout(400)
+    short, size = ui.evaluate(
+        "[megascope.generation.value.prompts[0].cells.length, megascope.generation.value.capacity]"
+    )
+    assert short < size, (short, size)
+    box = ui.locator("[data-testid=attention-canvas]").bounding_box()
+    cell = (box["height"] - 20) / size
+
+    def tip_at(query: int) -> str:
+        ui.mouse.move(box["x"] + 74 + cell * 0.5, box["y"] + 20 + (query + 0.5) * cell)
+        ui.wait_for_timeout(100)
+        tip = ui.locator("[data-testid=tooltip]")
+        return tip.inner_text() if tip.is_visible() else ""
+
+    assert "query" in tip_at(short - 1)  # its last token
+    for query in range(short, size):
+        tip = tip_at(query)
+        assert tip == "", f"row {query}, past the prompt's {short} tokens: {tip!r}"
+    ui.mouse.move(0, 0)
+    ui.evaluate("megascope.settings.attentionLayers = null")
+    ui.check_clean()
+
+
+def test_perturbations_set_by_another_page_show_as_active(browser: Any, served: str, ui: Page) -> None:
+    """Two pages on one server: what one applies, the other's panel shows as active (and off again)."""
+    other = Page(browser, served)
+    try:
+        ui.click("[data-testid=tab-text]")
+        other.wait_for_selector("[data-testid=perturbations-active]:has-text('off')")
+        ui.click("[data-testid=add-perturbation]")
+        ui.fill("[data-testid=perturbation-0-site]", "calculation")
+        ui.fill("[data-testid=perturbation-0-strength]", "0.5")
+        ui.check("[data-testid=perturbation-0-enabled]")
+        ui.wait_for_selector("[data-testid=perturbations-active]:has-text('1 active')")
+        other.wait_for_selector("[data-testid=perturbations-active]:has-text('1 active')", timeout=10_000)
+        assert "calculation" in other.inner_text("[data-testid=perturbations]")
+        ui.click("[aria-label='remove perturbation 1']")
+        ui.click("[data-testid=apply-perturbations]")
+        other.wait_for_selector("[data-testid=perturbations-active]:has-text('off')", timeout=10_000)
+        other.check_clean()
+        ui.check_clean()
+    finally:
+        other.close()
+
+
 def test_sweep_table_and_plot(ui: Page, shots: Path, tmp_path: Path) -> None:
     """A sweep.csv as `scope sweep` writes it, opened with the file input: table and Δ-loss heat maps."""
     from lightning_megatron.scope.sweep import SweepRow, write_results
@@ -519,6 +643,17 @@ def test_training_panel_follows_a_live_fit(browser: Any, shots: Path) -> None:
         page.wait_for_selector("[data-testid=train-state][data-state=paused]")
         assert page.locator("[data-testid=tab-training]").count() == 1
         assert page.locator("[data-testid=tab-text]").count() == 0  # no generation on a training run
+        assert "TP1×PP1×DP1" in page.inner_text("[data-testid=model]"), page.inner_text("[data-testid=model]")
+        assert "Probes of every step from step 0" in page.inner_text("[data-testid=training-controls]")
+        page.evaluate(  # how a run sampling every 2nd step is described (the server's facts, as it would send them)
+            """() => { const info = megascope.info.value; megascope.info.value = {...info,
+                engine: {...info.engine, sampled: {interval: 2, window: 1, start_step: 0}}}; }"""
+        )
+        assert "Probes of every 2nd step from step 0" in page.inner_text("[data-testid=training-controls]")
+        page.evaluate(
+            """() => { const info = megascope.info.value; megascope.info.value = {...info,
+                engine: {...info.engine, sampled: {interval: 1, window: 1, start_step: 0}}}; }"""
+        )
 
         def steps() -> list[int]:
             return page.evaluate("megascope.training.steps.map((s) => s.step)")
@@ -534,6 +669,9 @@ def test_training_panel_follows_a_live_fit(browser: Any, shots: Path) -> None:
         assert page.get_attribute("[data-testid=train-state]", "data-state") == "paused"
         # a perturbation: the next steps report Δ loss
         page.click("[data-testid=add-perturbation]")
+        page.fill("[data-testid=perturbation-0-site]", "calculation")
+        clipped = page.eval_on_selector("[data-testid=perturbation-0-site]", "(e) => e.scrollWidth - e.clientWidth")
+        assert clipped <= 0, f"the site field cuts 'calculation' short by {clipped} px"
         page.fill("[data-testid=perturbation-0-strength]", "0.5")
         page.check("[data-testid=perturbation-0-enabled]")
         page.wait_for_selector("[data-testid=perturbations-active]:has-text('1 active')")
@@ -560,6 +698,9 @@ def test_training_panel_follows_a_live_fit(browser: Any, shots: Path) -> None:
         fit.proc.kill()  # a paused run ignores SIGTERM (Lightning defers it to a step boundary)
         page.wait_for_selector("[data-testid=connection][data-state=disconnected]", timeout=30_000)
         assert page.locator("[data-testid=disconnected]").count() == 1
+        page.wait_for_selector("[data-testid=train-state][data-state=ended]")  # not "running", nothing to press
+        for button in ("train-pause", "train-resume", "train-step"):
+            assert page.is_disabled(f"[data-testid={button}]"), button
         save_shot(page, shots, "disconnected")
     finally:
         if page is not None:

@@ -45,6 +45,33 @@ step's full activations are gigabytes)."""
 _log = logging.getLogger(__name__)
 
 
+def _model_facts(module: pl.LightningModule, config: Any) -> dict[str, Any]:
+    """The model's shape as the UI's header shows it (what the hyperparameters do not say is left out)."""
+    facts: dict[str, Any] = {
+        "num_layers": int(config.num_layers),
+        "hidden_size": int(config.hidden_size),
+        "num_heads": int(config.num_attention_heads),
+    }
+    hparams = getattr(module, "hparams", {})
+    for name, key in (("seq_length", "max_seq_length"), ("vocab_size", "vocab_size")):
+        if isinstance(hparams.get(name), int):
+            facts[key] = hparams[name]
+    return facts
+
+
+def _layout_of(config: Any) -> dict[str, Any]:
+    """Tensor × pipeline × data parallel sizes of the run (``info.engine.layout``)."""
+    from megatron.core import parallel_state
+
+    return {
+        "tensor": int(getattr(config, "tensor_model_parallel_size", 1)),
+        "pipeline": int(getattr(config, "pipeline_model_parallel_size", 1)),
+        "virtual_pipeline": int(getattr(config, "virtual_pipeline_model_parallel_size", None) or 1),
+        "data": int(parallel_state.get_data_parallel_world_size()) if parallel_state.is_initialized() else 1,
+        "sequence_parallel": bool(config.sequence_parallel),
+    }
+
+
 class MegaScope(pl.Callback):
     """Stream probes of sampled training steps and take pause/resume/step/perturbation commands.
 
@@ -156,7 +183,8 @@ class MegaScope(pl.Callback):
         config = chunks_of(pl_module)[0].config
         self._info = {
             "mode": "train",
-            "model": {"num_layers": int(config.num_layers), "hidden_size": int(config.hidden_size)},
+            "model": _model_facts(pl_module, config),
+            "layout": _layout_of(config),
             "probes": all_point_names(int(config.num_layers), bool(config.gated_linear_unit)),
             "sampled": {"interval": self.interval, "window": self.window, "start_step": self.start_step},
             "perturbation_kinds": list(KINDS),

@@ -5,8 +5,9 @@
     lightning-megatron scope sweep runs/gpt-tiny-cpu/checkpoints/last.ckpt --layers 0 1 2 3 \\
         --sites system calculation storage --kinds gaussian bitflip --strengths 1e-3 1e-2 1e-1 -o runs/sweep
 
-``serve`` prints a URL with a one-time token (set ``LM_SCOPE_TOKEN`` to choose it; never a command-line
-argument, which other users could read in ``ps``). It listens on 127.0.0.1 unless ``--host`` says otherwise.
+``serve`` prints a URL with a token, new at each start and good for as long as the server runs, in any tab
+or browser that opens it (set ``LM_SCOPE_TOKEN`` to choose it; never a command-line argument, which other users
+could read in ``ps``). It listens on 127.0.0.1 unless ``--host`` says otherwise.
 With ``--devices N`` Lightning starts the other ranks, which follow the serving rank's requests.
 """
 

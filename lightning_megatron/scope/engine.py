@@ -39,7 +39,7 @@ from lightning_megatron.scope.protocol import Array
 from lightning_megatron.scope.reducers import Reduced, apply_reducers, parse_reducers
 from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
 
-__all__ = ["DEFAULT_PROBES", "Limits", "ScopeEngine", "pca_2d"]
+__all__ = ["DEFAULT_PROBES", "Limits", "ScopeEngine", "StreamedText", "pca_2d"]
 
 Emit = Callable[[dict[str, Any]], None]
 ATTENTION_ROWS = 64
@@ -69,6 +69,33 @@ def pca_2d(points: torch.Tensor) -> torch.Tensor:
     _, _, v = torch.linalg.svd(x, full_matrices=False)
     coords = x @ v[:2].T
     return torch.nn.functional.pad(coords, (0, 2 - coords.shape[1]))
+
+
+class StreamedText:
+    """One row's text token by token, as a reader sees it: each token's share of the row's decoded text.
+
+    Decoding a byte-level token alone gives U+FFFD for a character whose UTF-8 bytes span several tokens, so a
+    token's share is the text it adds to the decoding of the tokens before it: a token ending inside a character
+    adds nothing, and the token that completes the character adds all of it. Decoding restarts a few tokens back
+    (``prefix``), not from the row's start, so a long row costs the same per token; the text before the restart
+    point is decoded with the new one, for tokenizers whose spacing depends on the previous token."""
+
+    def __init__(self, decode: Callable[[list[int]], str], ids: Sequence[int] = ()) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.shares = [self.push(int(i)) for i in ids]
+        """The prompt's tokens' shares (the ``start`` event's ``tokens``)."""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        after = self.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an incomplete character: shown with the token that completes it
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
 
 
 class ScopeEngine:
@@ -226,14 +253,15 @@ class ScopeEngine:
         heads = job["attention"]["heads"] if layers else None
         # nothing asked: no capture, no hooks at all
         session = Capture(self.module, names, by_capture, heads=heads) if names else None
+        rows = [StreamedText(self.tokenizer.decode, ids) for ids in job["prompts"]] if serving else []
         if serving:
             emit(
                 {
                     "type": "start",
                     "id": rid,
                     "prompts": [
-                        {"ids": torch.tensor(ids, dtype=torch.int32), "tokens": [self._text(i) for i in ids]}
-                        for ids in job["prompts"]
+                        {"ids": torch.tensor(ids, dtype=torch.int32), "tokens": list(row.shares)}
+                        for ids, row in zip(job["prompts"], rows)
                     ],
                     "num_layers": self.num_layers,
                     "perturbations": job["perturbations"],
@@ -250,7 +278,7 @@ class ScopeEngine:
             records = session.flush() if session is not None else []
             if serving:
                 self._emit_position(
-                    rid, step, decided, records, chains, by_capture, job, streamed["end"], emit, residual
+                    rid, step, decided, records, chains, by_capture, job, streamed["end"], emit, residual, rows
                 )
             streamed["end"] = step.position
             stats["scope_seconds"] += time.perf_counter() - begin
@@ -312,9 +340,11 @@ class ScopeEngine:
         start: int,
         emit: Emit,
         residual: dict[int, list[torch.Tensor]],
+        rows: list[StreamedText],
     ) -> None:
         """The token at ``step.position`` (first: it is what a reader waits for), then the new positions
-        ``[start, step.position)`` of every record."""
+        ``[start, step.position)`` of every record. A token's ``text`` is its share of its row's text
+        (``StreamedText``)."""
         end = step.position
         alternatives, chosen = None, None
         # one device-to-host copy (and one wait) for the three per-row facts
@@ -336,7 +366,7 @@ class ScopeEngine:
                 "t": decided,  # when the token was decided: clients measure how long it took to arrive
                 "position": end,
                 "tokens": [
-                    {"id": t, "text": self._text(t), "in_prompt": bool(p), "done": bool(d)}
+                    {"id": t, "text": self._share(rows[row], end, t, p, d), "in_prompt": bool(p), "done": bool(d)}
                     | ({} if chosen is None else {"p": chosen[row]})
                     for row, (t, p, d) in enumerate(zip(tokens, in_prompt, done))
                 ],
@@ -388,6 +418,15 @@ class ScopeEngine:
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+    def _share(self, row: StreamedText, position: int, token: int, in_prompt: Any, done: Any) -> str:
+        """The text of ``token`` at ``position`` of ``row``: the prompt's share, a new token's share, or (an
+        ended row's filler, shown nowhere) the token alone."""
+        if in_prompt and position < len(row.shares):
+            return row.shares[position]
+        if done or position != len(row.ids):
+            return self._text(token)
+        return row.push(token)
 
 
 def _window_extra(record: Record, start: int, end: int) -> torch.Tensor:

@@ -74,6 +74,8 @@ from lightning_megatron.scope.protocol import (
 __all__ = ["TOKEN_ENV", "ScopeServer"]
 
 TOKEN_ENV = "LM_SCOPE_TOKEN"
+PERTURBATIONS_CHANGED = "perturbations-changed"
+"""The id of the ``info`` event every client gets when a client changes the perturbations."""
 _log = logging.getLogger(__name__)
 
 _FALLBACK_SCRIPT = 'history.replaceState(null, "", location.pathname);'
@@ -430,9 +432,18 @@ class ScopeServer:
         elif kind == "info":
             self._control(sid, rid, self._info)
         elif kind == "set_perturbations":
-            self._control(sid, rid, lambda: self.engine.set_perturbations(request["perturbations"]))
+            self._control(sid, rid, lambda: self._set_perturbations(sid, request["perturbations"]))
         else:  # train
             self._control(sid, rid, lambda: self.engine.control(request))
+
+    def _set_perturbations(self, sid: str, perturbations: list) -> None:
+        """Set them, then tell the other clients (an ``info`` with the id ``PERTURBATIONS_CHANGED``; the one that
+        asked gets its ``ack``): each page's panel shows the set the engine applies, whichever page chose it."""
+        self.engine.set_perturbations(perturbations)
+        info = {**self._info(), "id": PERTURBATIONS_CHANGED}
+        for other in self._client_list():
+            if other != sid:
+                self._send(other, info, None)
 
     def _info(self) -> dict:
         server = {"version": __version__, "max_message_bytes": MAX_MESSAGE_BYTES, "queue_size": self._max_queue}

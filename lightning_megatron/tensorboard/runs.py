@@ -147,6 +147,22 @@ def _split(items: list[tuple[str, float, float, bool]]) -> Optional[dict[str, fl
     return {"step": step_us, "compute": compute_us, "wait": wait_us, "other": max(0.0, step_us - compute_us - wait_us)}
 
 
+def _add_evidence_texts(report: dict[str, Any]) -> None:
+    """Each suspect's one line of evidence (``evidence_text``) in the words of ``scan.analysis.report``'s table, so the tab
+    labels each rule's numbers as the rule means them (a ``host`` suspect's CPU wait is not a data wait). A suspect
+    of a report from another version whose fields do not fit gets none: the tab writes its own line then."""
+    from lightning_megatron.scan.analysis.report import Suspect, evidence_text
+
+    fields = set(Suspect.__dataclass_fields__)
+    for suspect in report.get("suspects", []):
+        if not isinstance(suspect, dict) or "evidence_text" in suspect:
+            continue
+        try:
+            suspect["evidence_text"] = evidence_text(Suspect(**{k: v for k, v in suspect.items() if k in fields}))
+        except (KeyError, TypeError, ValueError, IndexError):
+            pass
+
+
 def summarize_rank_file(path: Path) -> dict[str, Any]:
     """One rank's coordinates and, per finished step, its step time (µs, from the host gap before the step to
     the step's end) split three ways: ``compute`` is compute spans (forward, backward, layers, optimizer) less
@@ -332,6 +348,7 @@ class RunStore:
             if not isinstance(report, dict) or not isinstance(report.get("suspects"), list):
                 raise BadRequest(f"{REPORT_FILE} is not a MegaScan detection report")
             newest = max((p.stat().st_mtime for p in files.values()), default=0.0)
+            _add_evidence_texts(report)
             return {"run": name, "source": "file", "report": report, "stale": newest > stat.st_mtime + 1.0}
         if not detect:
             return {"run": name, "source": None, "report": None, "stale": False}
@@ -347,6 +364,7 @@ class RunStore:
                         result = run_detection(directory).to_dict()
                     except (FileNotFoundError, ValueError) as err:
                         raise NotFound(f"detection found nothing to analyse: {err}") from None
+                _add_evidence_texts(result)
                 cached = (signature, result)
                 self._detected[name] = cached
         return {"run": name, "source": "detected", "report": cached[1], "stale": False}

@@ -10,7 +10,7 @@ import {
   toPerturbation,
 } from "../src/state/perturbations";
 import { buildGenerate, DEFAULT_SETTINGS, loadSettings, probeSites, type Settings } from "../src/state/settings";
-import { num, percent, signed, surprisalColour, ticks, visibleToken } from "../src/state/format";
+import { layoutLabel, num, ordinal, percent, signed, surprisalColour, ticks, visibleToken } from "../src/state/format";
 
 describe("the token in the address", () => {
   it("is read and removed, keeping the rest of the address", () => {
@@ -132,6 +132,31 @@ describe("the generate request", () => {
 });
 
 describe("formatting", () => {
+  it("writes ordinals and layouts as people read them", () => {
+    expect([1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112].map(ordinal)).toEqual([
+      "1st",
+      "2nd",
+      "3rd",
+      "4th",
+      "11th",
+      "12th",
+      "13th",
+      "21st",
+      "22nd",
+      "23rd",
+      "101st",
+      "111th",
+      "112th",
+    ]);
+    expect(layoutLabel({ tensor: 2, pipeline: 2, data: 1, virtual_pipeline: 1, sequence_parallel: false })).toBe(
+      "TP2×PP2×DP1",
+    );
+    expect(layoutLabel({ tensor: 2, pipeline: 2, virtual_pipeline: 2, sequence_parallel: true })).toBe(
+      "TP2×PP2×VPP2 SP",
+    );
+    expect(layoutLabel(undefined)).toBe("");
+  });
+
   it("prints probabilities, numbers and tokens readably", () => {
     expect(percent(0.973)).toBe("97.3%");
     expect(percent(0.0412)).toBe("4.12%");

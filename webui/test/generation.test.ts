@@ -40,6 +40,26 @@ function token(
 }
 
 describe("Generation", () => {
+  it("says when the model's context, not the request, ended a generation", () => {
+    const g = new Generation("g1", { ...request, max_new_tokens: 200 }, 7, 0);
+    g.apply(start());
+    g.apply(token(2, ["X", "c"], [false, true]));
+    g.apply(token(3, ["Y", "d"], [false, true]));
+    g.apply(token(4, ["Z", "E"], [false, false]));
+    g.apply(token(5, ["W", "F"], [false, false]));
+    g.apply(token(6, ["V", "G"], [false, false]));
+    g.apply({ v: 1, type: "finish", id: "g1", texts: ["", ""], reasons: ["length", "length"] });
+    const ending = g.ending(1);
+    expect(ending?.label).toBe("context full: 3 of 200");
+    expect(ending?.detail).toContain("the model sees 7 tokens");
+    expect(ending?.detail).toContain("longest prompt (4 tokens) leaves room for 3");
+    const asked = new Generation("g2", request, 64, 0);
+    asked.apply(start());
+    asked.apply({ v: 1, type: "finish", id: "g2", texts: ["", ""], reasons: ["length", "eos"] });
+    expect(asked.ending(0)?.label).toBe("length");
+    expect(asked.ending(1)?.label).toBe("end of text");
+  });
+
   it("lays prompts of different lengths out by absolute position", () => {
     const g = new Generation("g1", request, 64, 0);
     g.apply(start());

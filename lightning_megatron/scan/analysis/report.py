@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol, Union
 
-__all__ = ["KINDS", "REPORT_FILE", "DetectionReport", "RankSummary", "Suspect", "bubble_lines", "log_to"]
+__all__ = [
+    "KINDS",
+    "REPORT_FILE",
+    "DetectionReport",
+    "RankSummary",
+    "Suspect",
+    "bubble_lines",
+    "evidence_text",
+    "log_to",
+]
 
 REPORT_FILE = "megascan-report.json"  # MegaScan's report, beside the rank files (the TensorBoard plugin reads it)
 
@@ -159,7 +168,7 @@ class DetectionReport:
                     f"+{100 * s.slowdown:.1f}%",
                     "" if s.peer is None else str(s.peer),
                     f"{s.impact_ms:.2f} ms",
-                    _evidence_text(s),
+                    evidence_text(s),
                 )
                 for s in self.suspects
             ]
@@ -239,8 +248,9 @@ def _format_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
     return ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1] for row in (header, *rows)]
 
 
-def _evidence_text(suspect: Suspect) -> str:
-    """One line of evidence, from whichever rule named the suspect (each rule keeps its own evidence fields)."""
+def evidence_text(suspect: Suspect) -> str:
+    """One line of evidence, from whichever rule named the suspect (each rule keeps its own evidence fields); the
+    table's Evidence column, and the TensorBoard tab's (one wording for both)."""
     e = suspect.evidence
     if suspect.kind == "link":
         return (

@@ -39,6 +39,7 @@ table.ms-table { border-collapse: collapse; width: 100%; }
 table.ms-table th { text-align: left; font-weight: 600; color: #444; border-bottom: 2px solid #dde1e6; padding: 5px 8px; white-space: nowrap; }
 table.ms-table td { border-bottom: 1px solid #eceff3; padding: 5px 8px; vertical-align: top; }
 table.ms-table tr.ms-suspect:hover { background: #f3f7ff; cursor: pointer; }
+td.ms-evidence-cell { overflow-wrap: anywhere; min-width: 18em; }
 td.ms-num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .ms-kind { display: inline-block; padding: 0 6px; border-radius: 9px; font-size: 12px; background: #fdecea; color: #a4231a; }
 .ms-kind.link { background: #e8f4ea; color: #1e6b33; }
@@ -47,9 +48,9 @@ td.ms-num { text-align: right; font-variant-numeric: tabular-nums; white-space: 
 .ms-warn { color: #8a5300; }
 .ms-error { color: #b3261e; }
 details.ms-evidence summary { cursor: pointer; color: #555; font-size: 12px; }
-details.ms-evidence dl { display: grid; grid-template-columns: max-content auto; gap: 0 12px; margin: 4px 0 0; font-size: 12px; }
+details.ms-evidence dl { display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 0 12px; margin: 4px 0 0; font-size: 12px; }
 details.ms-evidence dt { color: #666; }
-details.ms-evidence dd { margin: 0; font-variant-numeric: tabular-nums; }
+details.ms-evidence dd { margin: 0; font-variant-numeric: tabular-nums; min-width: 0; overflow-wrap: anywhere; }
 .ms-canvas-wrap { position: relative; overflow-x: auto; }
 canvas { display: block; }
 .ms-legend { display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 12px; color: #444; margin-top: 6px; }
@@ -66,7 +67,7 @@ export function h(tag, props = {}, ...children) {
     else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value === true ? "" : String(value));
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }

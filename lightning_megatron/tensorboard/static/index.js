@@ -14,8 +14,14 @@ import { TimelineView } from "./timeline.js";
 const PERFETTO = "https://ui.perfetto.dev";
 const MAX_DEFAULT_RANKS = 32; // the timeline shows this many ranks unless asked for others
 
+// The server sends each suspect's line in scan.report's words (evidence_text); this is the fallback for a report
+// it could not word, labelled by the fields present (each rule keeps its own: a CPU wait is no data wait).
 function evidenceText(s) {
+  if (typeof s.evidence_text === "string" && s.evidence_text) return s.evidence_text;
   const e = s.evidence || {};
+  if (e.cpu_wait_ms !== undefined && e.median_ms === undefined) {
+    return `training thread waited for a CPU ${num(e.cpu_wait_ms)} ms per step vs ${num(e.baseline_ms)} ms on the others`;
+  }
   if (s.kind === "compute") {
     let text = `net compute ${num(e.median_ms)} ms vs ${num(e.baseline_ms)} ms on peers`;
     if (e.last_arrival_fraction !== undefined && e.last_arrival_fraction !== null) {
@@ -26,7 +32,9 @@ function evidenceText(s) {
   if (s.kind === "link") {
     return `${e.direction || ""} ${s.rank}→${s.peer}: ${num(e.median_us_per_mb, 1)} µs/MB vs ${num(e.baseline_us_per_mb, 1)} µs/MB on ${e.link_class || "peer"} links`;
   }
-  return `data-wait ${num(e.median_ms)} ms vs peers ${num(e.baseline_ms)} ms per step`;
+  if (e.later_ms !== undefined) return `${e.rule || "later steps"}: ${num(e.later_ms)} ms vs ${num(e.earlier_ms)} ms per step`;
+  if (s.kind === "data" || e.late_ms !== undefined) return `data-wait ${num(e.median_ms)} ms vs peers ${num(e.baseline_ms)} ms per step`;
+  return e.rule ? `${e.rule}: ${num(e.median_ms)} ms vs ${num(e.baseline_ms)} ms` : "";
 }
 
 function evidenceValue(value) {
@@ -233,13 +241,13 @@ class MegaScanApp {
         h("td", { class: "ms-num", text: num((s.evidence || {}).impact_ms) }),
         h(
           "td",
-          {},
+          { class: "ms-evidence-cell" },
           evidenceText(s),
           h(
             "details",
             { class: "ms-evidence" },
             h("summary", { text: "all numbers" }),
-            h("dl", {}, Object.entries(s.evidence || {}).map(([k, v]) => [h("dt", { text: k }), h("dd", { text: evidenceValue(v) })])),
+            h("dl", {}, Object.entries(s.evidence || {}).flatMap(([k, v]) => [h("dt", { text: k }), h("dd", { text: evidenceValue(v) })])),
           ),
         ),
       ),

@@ -33,6 +33,23 @@ export function visibleToken(text: string): string {
   return text.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/\r/g, "␍");
 }
 
+/** An English ordinal: 1st, 2nd, 3rd, 4th, 11th, 12th, 13th, 21st, 22nd, 111th. */
+export function ordinal(n: number): string {
+  const tens = Math.abs(n) % 100;
+  const suffix = tens >= 11 && tens <= 13 ? "th" : (["th", "st", "nd", "rd"][Math.abs(n) % 10] ?? "th");
+  return `${n}${suffix}`;
+}
+
+/** A parallel layout as TP×PP×DP (and VPP, SP where used): the shape a run's ranks form. */
+export function layoutLabel(layout: Record<string, number | boolean> | undefined): string {
+  if (!layout) return "";
+  const parts = [`TP${layout.tensor ?? 1}`, `PP${layout.pipeline ?? 1}`];
+  if (typeof layout.data === "number") parts.push(`DP${layout.data}`);
+  if (typeof layout.virtual_pipeline === "number" && layout.virtual_pipeline > 1)
+    parts.push(`VPP${layout.virtual_pipeline}`);
+  return parts.join("×") + (layout.sequence_parallel ? " SP" : "");
+}
+
 /** Bytes as KiB/MiB. */
 export function bytes(n: number): string {
   if (n < 1024) return `${n} B`;

@@ -73,7 +73,9 @@ export class Generation {
   readonly startedAt: number;
   finishedAt: number | null = null;
   /** The model's longest sequence (positions never exceed it). */
-  private readonly maxSeqLength: number | null;
+  readonly maxSeqLength: number | null;
+  /** Tokens of the batch's longest prompt (the server's room for new tokens is the context less these). */
+  longestPrompt = 0;
 
   constructor(id: string, request: GenerateRequest, maxSeqLength: number | null = null, now = Date.now()) {
     this.id = id;
@@ -137,6 +139,7 @@ export class Generation {
           for (let position = 0; position < ids.length; position++) this.tokenLog.push({ prompt: index, position });
           longest = Math.max(longest, ids.length);
         });
+        this.longestPrompt = longest;
         let capacity = longest + (this.request.max_new_tokens ?? 32);
         if (this.maxSeqLength !== null) capacity = Math.min(capacity, this.maxSeqLength);
         this.capacity = Math.max(capacity, longest, 1);
@@ -224,6 +227,32 @@ export class Generation {
         this.events--;
         return false;
     }
+  }
+
+  /**
+   * Why a prompt's generation ended, in words: "length" says whose length — the number of new tokens asked
+   * for, or the model's context, which ends a batch once its longest prompt and the new tokens fill it.
+   */
+  ending(prompt: number): { label: string; detail: string } | null {
+    const run = this.prompts[prompt];
+    if (run === undefined || run.reason === null) return null;
+    if (run.reason === "eos") return { label: "end of text", detail: "the model wrote its end-of-text token" };
+    if (run.reason !== "length") return { label: "stopped", detail: "stopped before the end" };
+    const asked = this.request.max_new_tokens ?? 32;
+    if (
+      this.maxSeqLength !== null &&
+      run.generated < asked &&
+      this.longestPrompt + run.generated >= this.maxSeqLength
+    ) {
+      const room = Math.max(0, this.maxSeqLength - this.longestPrompt);
+      return {
+        label: `context full: ${run.generated} of ${asked}`,
+        detail:
+          `${asked} new tokens asked, ${run.generated} given: the model sees ${this.maxSeqLength} tokens, and the ` +
+          `batch's longest prompt (${this.longestPrompt} tokens) leaves room for ${room} new ones`,
+      };
+    }
+    return { label: "length", detail: `the ${asked} new tokens asked for` };
   }
 
   /** The generated text of a prompt (tokens after its prompt, concatenated). */

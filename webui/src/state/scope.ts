@@ -138,20 +138,25 @@ export class Scope {
     try {
       const event = await this.client.request({ type: "info" }).done;
       if (event.type !== "info") return;
-      this.info.value = event;
-      const engine = event.engine as EngineFacts;
-      this.active.value = engine.perturbations ?? [];
-      if (engine.mode === "train") {
-        if (typeof engine.paused === "boolean" && this.training.paused === null) this.training.paused = engine.paused;
-        this.training.perturbations = engine.perturbations ?? [];
-      }
-      if (!this.rowsFromServer && this.rows.length === 0 && (engine.perturbations ?? []).length > 0) {
-        this.rows.splice(0, this.rows.length, ...(engine.perturbations ?? []).map(fromPerturbation));
-      }
+      this.applyInfo(event);
       this.rowsFromServer = true;
       this.markDirty();
     } catch (error) {
       this.notify("error", `info: ${(error as Error).message}`);
+    }
+  }
+
+  /** The server's facts: asked for, or sent to every page when a client changed the perturbations. */
+  private applyInfo(event: InfoEvent): void {
+    this.info.value = event;
+    const engine = event.engine as EngineFacts;
+    this.active.value = engine.perturbations ?? [];
+    if (engine.mode === "train") {
+      if (typeof engine.paused === "boolean" && this.training.paused === null) this.training.paused = engine.paused;
+      this.training.perturbations = engine.perturbations ?? [];
+    }
+    if (!this.rowsFromServer && this.rows.length === 0 && (engine.perturbations ?? []).length > 0) {
+      this.rows.splice(0, this.rows.length, ...(engine.perturbations ?? []).map(fromPerturbation));
     }
   }
 
@@ -278,6 +283,10 @@ export class Scope {
           if (event.type !== "probe") this.active.value = this.training.perturbations;
           this.markDirty();
         }
+        return;
+      case "info": // another page changed the perturbations
+        this.applyInfo(event);
+        this.markDirty();
         return;
       case "attention":
         return; // training runs do not send attention today
