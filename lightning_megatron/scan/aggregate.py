@@ -540,7 +540,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         summary = aggregate(args.trace_dir, output, refine_clocks=not args.no_refine, progress=not args.quiet)
     except (FileNotFoundError, ValueError) as err:
-        print(f"megascan aggregate: {err}", file=sys.stderr)
+        print(f"lightning-megatron scan aggregate: error: {err}", file=sys.stderr)
         return 2
     skew = summary["residual_skew_us"]
     print(
