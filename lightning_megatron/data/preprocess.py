@@ -120,9 +120,9 @@ def _check_has_text(path: str, key: str) -> None:
             documents += 1
     finally:
         texts.close()
-    found = "no documents (it is empty or has only blank lines)" if not documents else f"{documents} documents"
+    found = "no documents (it is empty or has only blank lines)"
     if documents:
-        found += f", each with an empty {key!r}"
+        found = f"{documents} document(s) but no text (every {key!r} is empty)"
     raise PreprocessError(
         f"{path}: {found}; nothing to tokenize. Give a jsonl file with one {json.dumps({key: '...'})} per line."
     )

@@ -91,18 +91,18 @@ class MegaScan(pl.Callback, StepListener):
             detection names ``compute`` only where the kernels themselves took longer, not where the GPU idled
             between them (a slow host, launch gaps). No effect on CPUs. Windows with a ``profile_steps`` step, or
             while another profiler session runs (``Trainer(profiler="pytorch")``), go without it.
-        gpu_busy_every: Measure busy time in every this many traced windows (1: all), to bound its cost: a
-            CUDA-activity session costs about 80 ms per window (measured on an H200: a 16-layer, hidden-2048 GPT's
-            median step period was 346 ms with every step's window profiled, 268 ms without; CUPTI's set-up and
-            tear-down), so the default, one window in 10 (with ``interval=5``: one step in 50), keeps it near
-            0.6% of that job's time.
+        gpu_busy_every: Measure busy time in every this many traced windows (1: all), to bound its cost: each
+            CUDA-activity session pays CUPTI's set-up and tear-down, tens of milliseconds per window, so the
+            default, one window in 10 (with ``interval=5``: one step in 50), keeps it to a fraction of a percent
+            of a job's time (the overhead measured: docs/evaluation/megascan.md).
         trace_replays: Whether a traced step that the strategy replays as a CUDA graph is traced as a replay (the
             graph's own events, ``scan.recorder``) or run eagerly. None: replays in one-process fits, whose
             replayed traces were checked against eager ones; eagerly at TP/DP. True: replays at TP/DP too, where
             that check has not run on GPUs yet (a warning says so). An eager traced step of a launch-bound model
-            is paced by its host, which the replayed job is not: on 2 x H200 at DP2, eager traced steps named a
-            rank whose host queued slower in a third of clean fits. Such steps are marked ``in_place_of_replay``
-            and that launch pace is not named (``scan.attribution``). False: traced steps always run eagerly.
+            is paced by its host, which the replayed job is not: at DP2, eager traced steps of clean fits named
+            a rank whose host merely queued slower (docs/evaluation/megascan.md). Such steps are marked
+            ``in_place_of_replay`` and that launch pace is not named (``scan.attribution``). False: traced steps
+            always run eagerly.
     """
 
     def __init__(
