@@ -224,8 +224,8 @@ def detect(
                 traces, per_rank, waits, min_slowdown * median_step_us, min_slowdown, min_z
             )
         # Against its own history a host gap must cost min_slowdown of a step, as inside steps: with no peer to
-        # compare with, a gap 0.3 ms longer than before (0.6% of a 48 ms step: one of 10 clean fits on an H100
-        # whose rank had one CPU) is drift, not a slow host.
+        # compare with, a gap a fraction of a millisecond longer than before (under 1% of a step, seen in a
+        # clean fit whose rank had one CPU) is drift, not a slow host.
         history_bar_us = max(min_impact_us, min_slowdown * median_step_us) if kind == "host" else min_impact_us
         found += _history_suspects(traces, per_rank, waits, suspects + found, min_slowdown, history_bar_us, kind)
         suspects += _as_share_of_step(found, median_step_us)
@@ -259,10 +259,10 @@ def _fold_consequences(suspects: list[Suspect]) -> list[Suspect]:
     suspect's evidence, not named as a second cause:
 
     * a longer host gap between steps (it holds round trips to the GPU, such as Lightning's per-step
-      synchronisation): ``host_gap_ms`` (2x H200, another process competing for one GPU: +3.5 ms of host gap
-      per step beside +180 ms of compute, every such run);
+      synchronisation): ``host_gap_ms`` (another process competing for one GPU: a host gap per step of a few
+      percent of the compute it added, every such run);
     * a slower link from that rank (its communication kernels share the GPU too): ``link_ms`` and the link's
-      ``link_peer`` (2x H200 at PP2, the same fault: +4 to +6 ms of transfer beside +55 to +75 ms of compute)."""
+      ``link_peer`` (at PP2, the same fault: transfers longer by a tenth of the compute's excess)."""
     compute = {s.rank: s for s in suspects if s.kind == "compute"}
     kept = []
     for suspect in suspects:
@@ -471,7 +471,7 @@ def _host_in_step_suspects(
     (``measure.host_waits_in_steps``: a callback that blocks before the step ends), by the rules of the host gaps
     between steps: against the peers of its stage (who also ended late), and against its own earlier steps.
 
-    The healthy level of that time is small (1.9 ms of a 208 ms step on one H100), so a relative excess says little;
+    The healthy level of that time is small (about 1% of a step), so a relative excess says little;
     a suspect must cost ``min_slowdown`` of the job's median step (a stall worth naming slows the job) and its
     ``slowdown`` is that share. Ranks already named ``host`` (between steps) are left out: one cause, one name."""
     if not median_step_us:
