@@ -29,7 +29,7 @@ CORPUS = ROOT / "recipes" / "data" / "kjv.jsonl.gz"
 SCRIPT = Path(sys.executable).with_name("lightning-megatron")
 
 
-def cli(args: list[str], cwd: Path, *, debug: bool = False, timeout: float = 90) -> subprocess.CompletedProcess:
+def cli(args: list[str], cwd: Path, *, debug: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``lightning-megatron ARGS`` as a user would: no warning filters of ours in the environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "LIGHTNING_MEGATRON_DEBUG")}
     env["CUDA_VISIBLE_DEVICES"] = ""
