@@ -366,7 +366,9 @@ def main() -> int:
     )
     parser.add_argument("--keep-traces", type=Path, help="copy every run's traces here (one folder per layout)")
     parser.add_argument(
-        "--budget-s", type=float, help="seconds for all layouts, shared equally; no fit starts past a layout's share"
+        "--budget-s",
+        type=float,
+        help="time limit in seconds for all layouts, shared equally; no fit starts past a layout's share",
     )
     parser.add_argument(
         "--cases",

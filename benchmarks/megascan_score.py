@@ -34,8 +34,8 @@ SLOWS_THE_JOB = 0.10  # a fault whose median step is at least this much above cl
 
 def score(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per case: runs, the job's slowdown, recall (or quiet), precision; see the module docstring. A run's
-    slowdown is against the clean runs of its own launch (``launch``: one machine; 2 x H200 machines of one
-    session differed by up to 20% in clean step time), the case's the median of its runs'."""
+    slowdown is against the clean runs of its own launch (``launch``: one machine; two machines of the same kind
+    differed by up to 20% in clean step time), the case's the median of its runs'."""
     clean_by_launch: dict[Any, list[float]] = {}
     for r in records:
         if r["case"] == "clean":

@@ -1,177 +1,119 @@
-"""``lightning-megatron``: LightningCLI over this package's strategy, models and data.
+"""``lightning-megatron``: the command line of this package.
 
-    lightning-megatron fit --config recipes/gpt-tiny-cpu.yaml
+    lightning-megatron --help                                    every command, a line each
     lightning-megatron fit --config recipes/gpt-tiny-cpu.yaml --trainer.max_steps=50
     lightning-megatron validate --config recipes/gpt-tiny-cpu.yaml --ckpt_path=runs/.../last.ckpt
     lightning-megatron preprocess --input corpus.jsonl.gz --output-prefix data/corpus --tokenizer DIR_OR_FILE
     lightning-megatron sample runs/gpt-tiny-cpu/checkpoints/last.ckpt --prompt "And God said"
-    lightning-megatron scan aggregate runs/trace -o merged.json.gz    (see lightning_megatron.scan)
-    lightning-megatron scope serve runs/gpt-tiny-cpu/checkpoints/last.ckpt (see lightning_megatron.scope)
-    lightning-megatron dpp simulate --chunks 2 --delay exponential --delay-mean 1  (will MegaDPP help?)
+    lightning-megatron scan aggregate runs/trace -o merged.json.gz
+    lightning-megatron scope serve runs/gpt-tiny-cpu/checkpoints/last.ckpt
+    lightning-megatron dpp simulate --chunks 2 --delay exponential --delay-mean 1
 
-Models and data modules are given by class (``model: {class_path: ..., init_args: ...}``; the short
-names ``GPTModule`` / ``SyntheticTokenDataModule`` work), the strategy by class or by its registered
-name (``strategy: megatron``). The resolved configuration is written next to the logs and into every
-checkpoint directory (``config.yaml``), so a checkpoint says how it was trained.
+The Trainer commands (fit, validate, test, predict) are LightningCLI's (``lightning_megatron.cli_trainer``); the
+others parse their arguments with the parsers of ``lightning_megatron.cli_commands``. This module imports
+neither torch nor Lightning: ``--help`` and usage errors answer at once, and a command imports what it needs
+only when it runs.
 
-What a command prints: a mistake (a missing file, a malformed config or corpus, a layout that does not divide
-the processes) ends it with one ``error: ...`` line and exit status 2 (``lightning_megatron.cli_errors``;
-``--debug`` or ``LIGHTNING_MEGATRON_DEBUG=1`` for the traceback). ``fit`` shows a progress bar with the step and
-the losses and a one-line layout summary (``lightning_megatron.display``) instead of Lightning's defaults, and
-none of the third-party notices listed in ``lightning_megatron.compat.quiet``.
+What a command prints on a mistake (a missing file, a malformed config or corpus, a misspelled option, a layout
+that does not divide the processes): one line ``lightning-megatron COMMAND: error: ...``, with "did you mean"
+for a misspelled name, and exit status 2 (``lightning_megatron.cli_errors``; ``--debug`` or
+``LIGHTNING_MEGATRON_DEBUG=1`` for the traceback). ``fit`` shows a progress bar with the step and the losses and
+a one-line layout summary (``lightning_megatron.display``) instead of Lightning's defaults, and none of the
+third-party notices listed in ``lightning_megatron.compat.quiet``.
 """
 
 from __future__ import annotations
 
-from typing_extensions import override
-
-from lightning_megatron.compat import quiet
-
-quiet.filter_warnings()  # before anything below imports megatron-core, whose import warns
-
-# ruff: noqa: E402
-import argparse
+import importlib
 import os
-import signal
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-import lightning.pytorch as pl
-import yaml
-from lightning.pytorch.callbacks import ModelSummary, ProgressBar
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
-
-from lightning_megatron import data as _data  # noqa: F401  (makes short class names resolvable)
-from lightning_megatron import models as _models  # noqa: F401
+from lightning_megatron import __version__
+from lightning_megatron.cli_commands import COMMANDS, PROG, RUNNERS, TRAINER_COMMANDS, parse
 from lightning_megatron.cli_errors import DEBUG_ENV, reporting_user_errors, split_debug_flag
-from lightning_megatron.compat.lightning import ScriptLauncher
-from lightning_megatron.display import LayoutSummary, step_progress_bar
-from lightning_megatron.strategy import MegatronAppStrategy  # registers the "megatron" strategy name
-from lightning_megatron.strategy.checkpoint import CONFIG_KEY
+from lightning_megatron.cli_parser import UsageError, did_you_mean
+from lightning_megatron.compat import quiet
+from lightning_megatron.lazy import lazy_attributes
 
-__all__ = ["main", "MegatronCLI", "SaveConfigWithCheckpoints"]
+if TYPE_CHECKING:
+    from lightning_megatron.cli_trainer import MegatronCLI, SaveConfigWithCheckpoints
 
-_LAUNCHED: list[ScriptLauncher] = []
-"""Launchers of a failed Trainer command whose rank processes may still run (see ``_stop_launched_ranks``)."""
+__all__ = ["MegatronCLI", "SaveConfigWithCheckpoints", "help_text", "main"]
 
+# The LightningCLI classes load Lightning: imported on first access only.
+_LAZY = {
+    "MegatronCLI": "lightning_megatron.cli_trainer",
+    "SaveConfigWithCheckpoints": "lightning_megatron.cli_trainer",
+}
+__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
-class SaveConfigWithCheckpoints(SaveConfigCallback):
-    """LightningCLI's config saver, which also puts the resolved config into each checkpoint."""
+_HELP = ("-h", "--help")
+# LightningCLI's own options, which may come before the Trainer command (``-c recipe.yaml fit``)
+_TRAINER_OPTIONS = ("-c", "--config", "--print_config")
 
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        checkpoint[CONFIG_KEY] = self.parser.dump(self.config, skip_none=False)
+_EPILOG = f"""\
+Run '{PROG} COMMAND --help' for the options of a command.
+  --debug      show the traceback of an error (any command; or set LIGHTNING_MEGATRON_DEBUG=1)
+  --version    print the version
 
-
-class MegatronCLI(LightningCLI):
-    """LightningCLI with this package's display defaults, and which remembers the ranks it launched if it fails.
-
-    Defaults, each only where the configuration does not decide: the step progress bar (unless it names a
-    progress bar or sets ``enable_progress_bar``), and under ``MegatronAppStrategy`` the one-line
-    ``LayoutSummary`` instead of Lightning's model summary (unless it names a ``ModelSummary`` or sets
-    ``enable_model_summary``).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().__init__(*args, **kwargs)
-        except BaseException:
-            trainer = getattr(self, "trainer", None)
-            launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
-            if isinstance(launcher, ScriptLauncher) and launcher.procs:
-                _LAUNCHED.append(launcher)
-            raise
-
-    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        section = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
-        given = section.get("callbacks") or []
-        callbacks = list(given) if isinstance(given, list) else [given]
-        extra: list[Any] = []
-        if section.get("enable_progress_bar") is None and not any(isinstance(c, ProgressBar) for c in callbacks):
-            extra.append(step_progress_bar())
-        strategy = section.get("strategy")
-        ours = isinstance(strategy, MegatronAppStrategy) or strategy == MegatronAppStrategy.strategy_name
-        if (
-            ours
-            and section.get("enable_model_summary") is None
-            and not any(isinstance(c, ModelSummary) for c in callbacks)
-        ):
-            extra.append(LayoutSummary())
-            kwargs.setdefault("enable_model_summary", False)
-        if extra:
-            kwargs["callbacks"] = callbacks + extra
-        return super().instantiate_trainer(**kwargs)
+First run (a tiny GPT on 4 CPU processes, tensor parallel 2 x pipeline parallel 2):
+  {PROG} preprocess --input recipes/data/kjv.jsonl.gz --output-prefix runs/data/kjv \\
+      --tokenizer train:2048 --append-eod
+  {PROG} fit --config recipes/gpt-tiny-cpu.yaml
+  {PROG} sample runs/gpt-tiny-cpu/checkpoints/last.ckpt --prompt "And God said\""""
 
 
-def _stop_launched_ranks() -> bool:
-    """Kill the rank processes a failed command launched (they would wait for rank 0 until the timeout).
-
-    Lightning does this itself on Ctrl-C only. Returns whether there were any: the caller must then leave at
-    once, since Lightning's child-process observer kills this process, with a message about zombies, when it
-    sees its children gone.
-    """
-    procs = [proc for launcher in _LAUNCHED for proc in launcher.procs]
-    for launcher in _LAUNCHED:
-        launcher.kill(getattr(signal, "SIGKILL", signal.SIGTERM))
-    _LAUNCHED.clear()
-    return bool(procs)
-
-
-def _check_config_files(argv: list[str]) -> None:
-    """Parse the ``--config`` files first, so a malformed one is reported with its path and line
-    (jsonargparse reports the YAML error of ``<unicode string>``)."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--config=") else None
-        if arg in ("--config", "-c") and i + 1 < len(argv):
-            value = argv[i + 1]
-        if value is not None and os.path.isfile(value):
-            with open(value) as f:
-                yaml.safe_load(f)
+def help_text() -> str:
+    """The top-level help: what this is, every command with its line, and a first run."""
+    width = max(map(len, COMMANDS))
+    lines = [
+        f"usage: {PROG} COMMAND [OPTIONS]",
+        "",
+        "megatron-core tensor, pipeline, data and sequence parallelism as a PyTorch Lightning strategy, with",
+        "MegatronApp's tools: MegaScan (tracing, slow-rank detection), MegaScope (probes and perturbations in a",
+        "web UI) and MegaDPP (dynamic pipeline schedules).",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {line}" for name, line in COMMANDS.items()),
+        "",
+        _EPILOG,
+    ]
+    return "\n".join(lines)
 
 
-_OWN_COMMANDS = ("preprocess", "sample", "scan", "scope", "dpp")
+def _is_trainer_option(word: str) -> bool:
+    return any(word == option or word.startswith(option + "=") for option in _TRAINER_OPTIONS)
 
 
 def _run(argv: list[str], from_console: bool) -> None:
-    command = argv[0] if argv else ""
     if not argv:
-        commands = ", ".join([*LightningCLI.subcommands(), *_OWN_COMMANDS])
-        raise argparse.ArgumentError(None, f"give a command: {commands}")
-    if command == "preprocess":  # corpus preparation is not a Trainer command
-        from lightning_megatron.data.preprocess import main as preprocess
+        raise UsageError(PROG, f"give a command: {', '.join(COMMANDS)}")
+    command = argv[0]
+    if command in _HELP:
+        print(help_text())
+    elif command == "--version":
+        print(f"{PROG} {__version__}")
+    elif command in RUNNERS:
+        args = parse(command, argv[1:])
+        module, function = RUNNERS[command].split(":")
+        status = getattr(importlib.import_module(module), function)(args)
+        if status:
+            raise SystemExit(status)
+    elif command in TRAINER_COMMANDS or _is_trainer_option(command):
+        from lightning_megatron.cli_trainer import run
 
-        preprocess(argv[1:])
-    elif command == "scan":  # trace aggregation and slow-rank detection
-        from lightning_megatron.scan.cli import main as scan
-
-        sys.exit(scan(argv[1:]))
-    elif command == "scope":  # MegaScope: serve a model to the web UI, perturbation sweeps
-        from lightning_megatron.scope.cli import main as scope
-
-        sys.exit(scope(argv[1:]))
-    elif command == "dpp":  # MegaDPP: simulate the dynamic pipeline schedule's policies
-        from lightning_megatron.pipeline.dpp.cli import main as dpp
-
-        sys.exit(dpp(argv[1:]))
-    elif command == "sample":
-        from lightning_megatron.models.sampling import main as sample
-
-        sample(argv[1:])
+        run(argv, from_console)
     else:
-        _check_config_files(argv)
-        # Parse errors raise (and reach the one-line report) instead of printing the whole usage.
-        strict = {"exit_on_error": False}
-        MegatronCLI(
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_callback=SaveConfigWithCheckpoints,
-            save_config_kwargs={"overwrite": True},
-            seed_everything_default=1234,
-            parser_kwargs={**strict, **{name: dict(strict) for name in LightningCLI.subcommands()}},
-            args=None if from_console else argv,  # None: Lightning reads sys.argv, as its launcher does
-        )
+        what = "option" if command.startswith("-") else "command"
+        hint = did_you_mean(command, [*COMMANDS, *_HELP, "--version", *_TRAINER_OPTIONS])
+        raise UsageError(PROG, f"unknown {what} {command!r}" + (hint or f"; the commands: {', '.join(COMMANDS)}"))
+
+
+def _stop_launched_ranks() -> bool:
+    """Stop the rank processes a failed Trainer command launched; whether there were any."""
+    trainer = sys.modules.get("lightning_megatron.cli_trainer")  # not loaded: no Trainer command ran
+    return trainer.stop_launched_ranks() if trainer is not None else False
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -182,7 +124,7 @@ def main(args: Optional[list[str]] = None) -> None:
         if debug:
             os.environ[DEBUG_ENV] = "1"
     quiet.quiet_cli_logs()
-    command = " ".join(["lightning-megatron", *argv[:1]])
+    command = f"{PROG} {argv[0]}" if argv and argv[0] in COMMANDS else PROG
     # From the console a failed run stops the ranks it launched and leaves at once; a Python caller keeps its process.
     stop_others = _stop_launched_ranks if args is None else (lambda: False)
     with reporting_user_errors(command, debug=debug, stop_others=stop_others):

@@ -1,4 +1,5 @@
-"""How ``lightning-megatron`` ends on a user's mistake: one line ``error: ...`` on stderr, exit status 2.
+"""How ``lightning-megatron`` ends on a user's mistake: one line ``lightning-megatron COMMAND: error: ...`` on
+stderr, exit status 2.
 
 A mistake is an exception that :func:`is_user_error` accepts: a setting the strategy cannot run with
 (``MegatronConfigError``: layouts that do not divide the world, ...), one Lightning rejects
@@ -7,7 +8,9 @@ jsonargparse's ``ArgumentError``), malformed input (YAML, JSON, a corpus line: `
 directory that is not there, unless it should be inside the installation (that is a broken install, not a
 mistake). The messages name the thing and the fix; the line is that message. Anything else is a bug, here or
 below, and keeps its traceback. ``LIGHTNING_MEGATRON_DEBUG=1``, or ``--debug`` anywhere on the command line,
-shows the traceback of mistakes too.
+shows the traceback of mistakes too. A usage error (:class:`~lightning_megatron.cli_parser.UsageError`) names
+the subcommand it belongs to (``lightning-megatron scope serve: error: ...``). Telling a mistake from a bug
+imports nothing heavy, so a usage error is reported before torch would have loaded.
 
 Several processes: the checks run on every rank with the same inputs, so all ranks fail alike. Rank 0 prints
 the line (and the command stops the ranks it launched); the others exit with the same status, quietly, after a
@@ -59,26 +62,28 @@ def _installed(filename: Optional[str]) -> bool:
 
 def is_user_error(err: BaseException) -> bool:
     """Whether ``err`` is a mistake in what the user gave (see the module docstring) rather than a bug."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    from lightning_megatron.data.preprocess import PreprocessError
     from lightning_megatron.errors import MegatronConfigError
 
     if isinstance(err, _PATH_ERRORS):
         return not _installed(err.filename)
-    user_errors = (
+    user_errors: list[type] = [
         MegatronConfigError,
-        MisconfigurationException,
         argparse.ArgumentError,  # jsonargparse's ArgumentError is argparse's
         yaml.YAMLError,
         json.JSONDecodeError,
-        PreprocessError,
-    )
-    return isinstance(err, user_errors)
+    ]
+    # Classes of modules that are not loaded cannot have raised: look them up without importing (torch).
+    lightning = sys.modules.get("lightning.fabric.utilities.exceptions")
+    if lightning is not None:
+        user_errors.append(lightning.MisconfigurationException)
+    preprocess = sys.modules.get("lightning_megatron.data.preprocess")
+    if preprocess is not None:
+        user_errors.append(preprocess.PreprocessError)
+    return isinstance(err, tuple(user_errors))
 
 
 def describe(err: BaseException, command: str = "lightning-megatron") -> str:
-    """The one line (without ``error:``) that reports ``err``: its message, whitespace collapsed."""
+    """The one line (without ``COMMAND: error:``) that reports ``err``: its message, whitespace collapsed."""
     if isinstance(err, _PATH_ERRORS) and err.filename is not None and str(err).startswith("[Errno"):
         text = f"{os.fsdecode(err.filename)}: {err.strerror.lower() if err.strerror else 'not found'}"
     elif isinstance(err, yaml.YAMLError):
@@ -86,16 +91,15 @@ def describe(err: BaseException, command: str = "lightning-megatron") -> str:
     elif isinstance(err, json.JSONDecodeError):
         text = f"malformed JSON: {err}"
     elif isinstance(err, argparse.ArgumentError):
-        text = f"{err} (see `{command} --help`)"
+        text = f"{err} (see '{getattr(err, 'prog', command)} --help')"
     else:
         text = str(err) or type(err).__name__
     return " ".join(text.split())
 
 
 def _rank() -> int:
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    return int(getattr(rank_zero_only, "rank", 0) or 0)
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")  # not loaded: no ranks were started
+    return int(getattr(getattr(rank_zero, "rank_zero_only", None), "rank", 0) or 0)
 
 
 @contextmanager
@@ -117,7 +121,8 @@ def reporting_user_errors(
             if rank != 0:
                 time.sleep(PEER_GRACE_S)  # rank 0 has the same mistake: it reports it and stops this process
                 message = f"[rank {rank}] {message}"
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            prefix = getattr(err, "prog", command)  # a usage error names its subcommand
+            print(f"{prefix}: error: {message}", file=sys.stderr, flush=True)
         if stop_others():
             if not mistake:
                 traceback.print_exc()

@@ -3,12 +3,14 @@ over 4 gloo processes), and the short strategy name works in YAML."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,3 +168,124 @@ def test_strategy_by_registered_name(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config))
     proc = run_cli(["fit", "--config", str(path)], cwd=tmp_path, timeout=300)
     assert "max_steps=2" in proc.stdout + proc.stderr
+
+
+# -- the help: every command, plain text, every option explained, at once ------------------------------------------
+
+OWN_COMMANDS = ["preprocess", "sample", "scan", "scope", "dpp"]
+HELP_CALLS = [["--help"], *([name, "--help"] for name in OWN_COMMANDS)]
+HELP_CALLS += [["scan", sub, "--help"] for sub in ("aggregate", "detect", "plot")]
+HELP_CALLS += [["scope", "serve", "--help"], ["scope", "sweep", "--help"], ["dpp", "simulate", "--help"]]
+
+
+def console(args: list[str]) -> subprocess.CompletedProcess:
+    """``lightning-megatron ARGS`` through the installed console script when there is one."""
+    script = Path(sys.executable).with_name("lightning-megatron")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_megatron.cli"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_help_lists_every_command_with_a_line() -> None:
+    from lightning_megatron.cli_commands import COMMANDS
+
+    proc = console(["--help"])
+    assert proc.returncode == 0, proc.stderr
+    listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ") and len(line.split()) > 1]
+    assert [name for name in listed if name in COMMANDS] == list(COMMANDS), proc.stdout
+    assert set(COMMANDS) == {"fit", "validate", "test", "predict", *OWN_COMMANDS}
+    for name, line in COMMANDS.items():
+        assert f"  {name}" in proc.stdout and line in proc.stdout
+    assert "Lightning Trainer command line tool" not in proc.stdout
+
+
+@pytest.mark.parametrize("args", HELP_CALLS, ids=" ".join)
+def test_help_is_plain_text(args: list[str]) -> None:
+    proc = console(args)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: lightning-megatron"), proc.stderr
+    assert "``" not in proc.stdout and ":class:" not in proc.stdout and ":mod:" not in proc.stdout, proc.stdout
+
+
+def _actions(parser: argparse.ArgumentParser, prog: str = "") -> list[tuple[str, argparse.Action]]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _actions(sub, f"{prog} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            found.append((prog, action))
+    return found
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    from lightning_megatron.cli_commands import parser
+    from lightning_megatron.cli_parser import HelpFormatter
+
+    formatter = HelpFormatter("lightning-megatron")
+    for command in OWN_COMMANDS:
+        for prog, action in _actions(parser(command), command):
+            name = "/".join(action.option_strings) or action.dest
+            assert action.help, f"{prog} {name}: no help"
+            if action.option_strings and action.default is not None and action.default is not False:
+                assert "default" in formatter._get_help_string(action), f"{prog} {name}: default not shown"
+
+
+def test_the_light_parsers_offer_the_library_s_choices() -> None:
+    """The parsers repeat a few constants so as not to import torch; they must stay equal to the library's."""
+    from lightning_megatron import cli_commands
+    from lightning_megatron.pipeline.dpp.scenario import DELAY_KINDS
+    from lightning_megatron.scope.perturb import KINDS
+    from lightning_megatron.scope.sites import SITE_GROUPS
+
+    assert cli_commands._DELAY_KINDS == DELAY_KINDS
+    assert cli_commands._SCOPE_KINDS == KINDS
+    assert set(cli_commands._SCOPE_SITES) == set(SITE_GROUPS)
+
+
+HEAVY = ("torch", "lightning", "megatron", "numpy")
+NO_HEAVY_IMPORTS = """
+import sys
+from lightning_megatron.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit:
+    code = exit.code
+else:
+    code = 0
+heavy = sorted({name.split(".")[0] for name in sys.modules} & set(%r))
+print("HEAVY", heavy, "CODE", code)
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [*HELP_CALLS, ["fitt"], ["sample", "x", "--sed", "1"], ["scope", "serve"], ["dpp", "simulate", "--delay", "x"]],
+    ids=" ".join,
+)
+def test_help_and_usage_errors_import_no_torch(args: list[str]) -> None:
+    """What makes them fast: the answer comes before torch, Lightning or megatron-core would load (numpy, which
+    the scan package needs, is allowed there)."""
+    code = NO_HEAVY_IMPORTS % (HEAVY,)
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    line = proc.stdout.strip().splitlines()[-1]
+    allowed = "['numpy']" if args[0] == "scan" else "[]"
+    assert line.startswith(f"HEAVY {allowed} CODE") or line.startswith("HEAVY [] CODE"), proc.stdout + proc.stderr
+    assert line.endswith("CODE 0" if "--help" in args else "CODE 2"), line
+
+
+def test_help_answers_within_a_second_and_a_half() -> None:
+    """Measured in a subprocess, as a user runs it: the median of 5 calls of `--help` and of a usage error. The
+    target is 1.5 s; the bound leaves room for a loaded 2-core machine."""
+    import statistics
+    import time
+
+    for args in (["--help"], ["scope", "serve", "--help"], ["sample", "x", "--sed", "1"]):
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            proc = console(args)
+            times.append(time.perf_counter() - start)
+            assert proc.returncode in (0, 2), proc.stderr
+        median = statistics.median(times)
+        print(f"lightning-megatron {' '.join(args)}: median {median:.2f} s over 5 calls")
+        assert median < 3.0, (args, times)

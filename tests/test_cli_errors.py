@@ -1,14 +1,16 @@
 """What a person sees from the ``lightning-megatron`` console script.
 
-* A mistake (a missing file, a malformed config or corpus, a layout that does not divide the processes) ends every
-  command with exactly one ``error: ...`` line naming the thing, a non-zero exit status and no traceback; on a
-  multi-process run the line is printed once. ``LIGHTNING_MEGATRON_DEBUG=1`` / ``--debug`` bring the traceback
-  back.
+* A mistake (a missing file, a malformed config or corpus, an empty corpus, a misspelled option, a layout that
+  does not divide the processes) ends every command with exactly one ``lightning-megatron COMMAND: error: ...``
+  line naming the thing, exit status 2 and no traceback; on a multi-process run the line is printed once. A
+  misspelled name (command, option, choice, configuration key, a class's ``init_args`` key) is answered with the
+  closest valid one. ``LIGHTNING_MEGATRON_DEBUG=1`` / ``--debug`` bring the traceback back.
 * A first run reads cleanly: ``preprocess``, a short ``fit`` of the tiny recipe (TP2 × PP2 on 4 processes) and
   ``sample`` print no third-party warnings, no advertising tips and no ``Total FLOPs: 0``; the progress bar
   shows the step and the losses.
 
-Each command runs the real console script in a subprocess (about 6 s to start on 2 cores).
+Each command runs the real console script in a subprocess (a usage error answers before torch is imported; a
+command that runs imports torch, which takes seconds).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ CORPUS = ROOT / "recipes" / "data" / "kjv.jsonl.gz"
 SCRIPT = Path(sys.executable).with_name("lightning-megatron")
 
 
-def cli(args: list[str], cwd: Path, *, debug: bool = False, timeout: float = 90) -> subprocess.CompletedProcess:
+def cli(args: list[str], cwd: Path, *, debug: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``lightning-megatron ARGS`` as a user would: no warning filters of ours in the environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "LIGHTNING_MEGATRON_DEBUG")}
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -39,11 +41,16 @@ def cli(args: list[str], cwd: Path, *, debug: bool = False, timeout: float = 90)
     )
 
 
-def assert_one_error_line(proc: subprocess.CompletedProcess, *words: str, prefix: str = "error:") -> str:
-    errors = [line for line in proc.stderr.splitlines() if line.startswith(prefix)]
+ERROR_LINE = re.compile(r"lightning-megatron(?: [a-z]+)*: error: ")
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, *words: str, prefix: str = "") -> str:
+    """The one ``lightning-megatron COMMAND: error: ...`` line of a failed command (starting with ``prefix``)."""
+    errors = [line for line in proc.stderr.splitlines() if ERROR_LINE.match(line)]
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith(prefix), errors[0]
     for word in words:
         assert word in errors[0], errors[0]
     return errors[0]
@@ -54,6 +61,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("mistakes")
     (base / "bad.yaml").write_text("trainer:\n  max_steps: [3\n")
     (base / "bad.jsonl").write_text('{"text": "In the beginning"}\n{"text": oops}\n')
+    (base / "empty.jsonl").write_text("\n\n")
+    (base / "no-text.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
     return base
 
 
@@ -78,6 +87,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
             ["bad.jsonl:2", "invalid JSON"],
             id="preprocess-bad-jsonl",
         ),
+        pytest.param(
+            ["preprocess", "--input", "empty.jsonl", "--output-prefix", "out/x", "--tokenizer", "train:300"],
+            ["empty.jsonl", "no documents", "nothing to tokenize"],
+            id="preprocess-empty-input",
+        ),
+        pytest.param(
+            ["preprocess", "--input", "no-text.jsonl", "--output-prefix", "out/x", "--tokenizer", "train:300"],
+            ["no-text.jsonl", "2 document(s) but no text (every 'text' is empty)"],
+            id="preprocess-no-text",
+        ),
         pytest.param(["sample", "nowhere/last.ckpt"], ["nowhere/last.ckpt", "does not exist"], id="sample-missing"),
         pytest.param(["scope", "serve", "nowhere/last.ckpt"], ["nowhere/last.ckpt", "does not exist"], id="scope"),
         pytest.param(
@@ -91,13 +110,113 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_mistake_is_one_line(files: Path, args: list[str], words: list[str]) -> None:
     proc = cli(args, cwd=files)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert_one_error_line(proc, *words)
+    command = " ".join(["lightning-megatron", *args[:1]])
+    assert_one_error_line(proc, *words, prefix=f"{command}: error: ")
+    assert not (files / "out").exists() or not any((files / "out").iterdir()), "a failed preprocess writes nothing"
 
 
-def test_scan_reports_a_missing_trace_directory_in_one_line(files: Path) -> None:
-    """MegaScan's commands report their own mistakes (prefixed with the command's name)."""
-    proc = cli(["scan", "aggregate", "nowhere", "-o", "merged.json.gz"], cwd=files)
-    assert_one_error_line(proc, "nowhere", prefix="megascan aggregate:")
+@pytest.mark.parametrize("command", ["aggregate", "detect"])
+def test_scan_reports_a_missing_trace_directory_in_one_line(files: Path, command: str) -> None:
+    """MegaScan's commands report their own mistakes, in the same style."""
+    proc = cli(["scan", command, "nowhere"], cwd=files)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_one_error_line(proc, "nowhere", prefix=f"lightning-megatron scan {command}: error: ")
+
+
+# -- usage errors: at once, naming the subcommand, with the closest valid word -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "prefix", "words"),
+    [
+        pytest.param(["fitt"], "lightning-megatron", ["unknown command 'fitt'", "did you mean 'fit'?"], id="command"),
+        pytest.param(["--hepl"], "lightning-megatron", ["did you mean '--help'?"], id="top-option"),
+        pytest.param(
+            ["sample", "last.ckpt", "--max-new-tokens", "4", "--sed", "1"],
+            "lightning-megatron sample",
+            ["unrecognized arguments: --sed 1", "did you mean '--seed'?"],
+            id="sample-option",
+        ),
+        pytest.param(
+            ["scope", "servee", "last.ckpt"],
+            "lightning-megatron scope",
+            ["invalid choice: 'servee'", "did you mean 'serve'?"],
+            id="scope-subcommand",
+        ),
+        pytest.param(
+            ["scope", "serve", "last.ckpt", "--prot", "0"],
+            "lightning-megatron scope serve",
+            ["did you mean '--port'?"],
+            id="scope-serve-option",
+        ),
+        pytest.param(
+            ["scope", "sweep", "last.ckpt", "--kinds", "gausian"],
+            "lightning-megatron scope sweep",
+            ["did you mean 'gaussian'?"],
+            id="scope-sweep-choice",
+        ),
+        pytest.param(
+            ["scope", "serve"], "lightning-megatron scope serve", ["give either a checkpoint", "--hf"], id="scope-none"
+        ),
+        pytest.param(
+            ["dpp", "simulate", "--delay", "exponentail"],
+            "lightning-megatron dpp simulate",
+            ["did you mean 'exponential'?"],
+            id="dpp-choice",
+        ),
+        pytest.param(
+            ["dpp", "simulate", "--delay-links", "1_0"], "lightning-megatron dpp simulate", ["SRC-DST"], id="dpp-type"
+        ),
+        pytest.param(
+            ["preprocess", "--input", "corpus.jsonl"],
+            "lightning-megatron preprocess",
+            ["required: --output-prefix, --tokenizer"],
+            id="preprocess-required",
+        ),
+        pytest.param(
+            ["scan", "detect", "runs/trace", "--min-slowdwn", "0.1"],
+            "lightning-megatron scan detect",
+            ["did you mean '--min-slowdown'?"],
+            id="scan-option",
+        ),
+    ],
+)
+def test_a_usage_error_names_the_subcommand_and_the_closest_word(
+    files: Path, args: list[str], prefix: str, words: list[str]
+) -> None:
+    """No usage text, no parent's usage: one line, prefixed by the (sub)command that rejected the argument, with
+    a pointer to its help."""
+    proc = cli(args, cwd=files)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = assert_one_error_line(proc, *words, prefix=f"{prefix}: error: ")
+    assert line.endswith(f"(see '{prefix} --help')") and "usage:" not in proc.stderr, proc.stderr
+
+
+def test_a_misspelled_init_argument_of_the_strategy_gets_the_right_name(files: Path) -> None:
+    """jsonargparse's 600-character report of a wrong ``init_args`` key becomes one short line with the name the
+    class takes; a misspelled Trainer key likewise."""
+    config = ["fit", "--config", str(RECIPE), "--trainer.devices=1"]
+    proc = cli([*config, "--trainer.strategy.init_args.tensor_model_paralel_size=2"], cwd=files)
+    line = assert_one_error_line(
+        proc,
+        "trainer.strategy: lightning_megatron.MegatronAppStrategy takes no argument 'tensor_model_paralel_size'",
+        "did you mean 'tensor_model_parallel_size'?",
+        prefix="lightning-megatron fit: error: ",
+    )
+    assert len(line) < 250 and proc.returncode == 2, line
+    (files / "typo.yaml").write_text(RECIPE.read_text().replace("num_layers:", "num_layer:"))
+    proc = cli(["fit", "--config", "typo.yaml"], cwd=files)
+    assert_one_error_line(proc, "GPTModule takes no argument 'num_layer'", "did you mean 'num_layers'?")
+
+
+def test_init_arguments_cover_the_base_classes() -> None:
+    from lightning_megatron.cli_trainer import explain_parse_error, init_arguments
+
+    names = init_arguments("lightning_megatron.MegatronAppStrategy")
+    assert {"tensor_model_parallel_size", "micro_batch_size", "timeout"} <= set(names)
+    assert init_arguments("lightning_megatron.NoSuchClass") == []
+    message = "Problem with given class_path 'x.Y':\n   Option 'z' is not accepted"
+    assert explain_parse_error(message, None) == "x.Y takes no argument 'z'"  # no class to suggest from
 
 
 def test_a_layout_that_does_not_divide_the_processes_is_reported_once(files: Path) -> None:
@@ -105,8 +224,8 @@ def test_a_layout_that_does_not_divide_the_processes_is_reported_once(files: Pat
     and nothing hangs."""
     proc = cli(["fit", "--config", str(RECIPE), "--trainer.devices=3"], cwd=files, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    line = assert_one_error_line(proc, "world size 3", "2 × 2 = 4")
-    assert not line.startswith("error: [rank") and "zombies" not in proc.stderr
+    line = assert_one_error_line(proc, "world size 3", "2 × 2 = 4", prefix="lightning-megatron fit: error: ")
+    assert "error: [rank" not in line and "zombies" not in proc.stderr
 
 
 @pytest.mark.parametrize("how", ["environment", "flag"])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from lightning_megatron.cli_parser import UsageError
 from lightning_megatron.data import preprocess
 from lightning_megatron.data.tokenizers import load_tokenizer, train_bpe_tokenizer
 
@@ -136,6 +137,20 @@ def test_train_tokenizer_with_malformed_input_writes_nothing(tmp_path: Path) -> 
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [([], "no documents"), (["", "  "], "no documents"), (['{"text": ""}'], "1 document\\(s\\) but no text")],
+)
+def test_input_without_text_is_refused(tmp_path: Path, tokenizer_path: Path, lines: list[str], message: str) -> None:
+    """A dataset of no tokens and a tokenizer trained on nothing are no use: say so, and write nothing."""
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(line + "\n" for line in lines))
+    for tokenizer in ("train:300", str(tokenizer_path)):
+        with pytest.raises(preprocess.PreprocessError, match=message):
+            preprocess.preprocess_jsonl(str(src), str(tmp_path / "out" / "c"), tokenizer, quiet=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
+
+
 def test_sentencepiece_tokenizer(tmp_path: Path) -> None:
     import sentencepiece
 
@@ -161,6 +176,6 @@ def test_bad_arguments(tmp_path: Path, tokenizer_path: Path) -> None:
         run("--input", tmp_path / "missing.jsonl", "--output-prefix", tmp_path / "c", "--tokenizer", tokenizer_path)
     with pytest.raises(ValueError, match="workers"):
         run("--input", src, "--output-prefix", tmp_path / "c", "--tokenizer", tokenizer_path, "--workers", 0)
-    with pytest.raises(SystemExit):
-        preprocess.main(["--input", str(src)])  # argparse: missing required options
+    with pytest.raises(UsageError, match="required: --output-prefix, --tokenizer"):
+        preprocess.main(["--input", str(src)])  # missing required options
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]

@@ -289,8 +289,9 @@ def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     with contextlib.redirect_stdout(stdout):
         assert main(["detect", str(tmp_path / "clean")]) == 0
     assert stdout.getvalue().startswith("nothing abnormal")
-    with contextlib.redirect_stdout(io.StringIO()) as missing:
+    with contextlib.redirect_stderr(io.StringIO()) as missing:
         assert main(["detect", str(tmp_path / "out")]) == 2
+    assert missing.getvalue().startswith("lightning-megatron scan detect: error: ")
     assert "no MegaScan rank files" in missing.getvalue()
 
 

@@ -4,10 +4,8 @@ Why: Kineto (torch's profiler back end) leaves CUPTI attached to the process whe
 environment variable ``TEARDOWN_CUPTI`` is ``"1"`` when it stops (``cuptiTearDown_`` in Kineto's
 ``CuptiActivityApi``; pytorch/pytorch#144455). While CUPTI stays attached every kernel launch pays for its
 callbacks. MegaScan opens a short CUDA-only session every ``gpu_busy_every`` traced windows to measure GPU busy
-time, so without this every later step of the fit paid. Measured on an H100 in two launches: a 16-layer, hidden-2048
-GPT, every step traced, busy time in one window in ten (``benchmarks/results/megascan_overhead_1gpu_h100.json``).
-With CUPTI left attached the median step was 9.8% and 22.5% slower than without MegaScan; detached after each
-session, 0.9% and 2.4%.
+time, so without this every later step of the fit paid: with CUPTI left attached, MegaScan's overhead on the
+median step was several times what it is with CUPTI detached after each session (docs/evaluation/megascan.md).
 
 torch's own profiler sets ``TEARDOWN_CUPTI=0`` where tearing down is unsafe: CUDA graphs before CUDA 12.6
 (re-initialising CUPTI after a teardown crashed with graphs). The same rule holds here, and a value the user or

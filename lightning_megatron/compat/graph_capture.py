@@ -5,8 +5,8 @@ and raises if the capture was invalidated, before it does the rest of its bookke
 
 * the caching allocator still counts a capture as underway. While one is, it never processes the events of blocks
   used on more than one stream (``cudaEventQuery`` is illegal during a capture), so those blocks are never
-  reused: found on an H100, where twelve fits in one process after a failed capture ran out of memory with
-  65 GiB reserved and unused. Nor is the capture's private memory pool ever released;
+  reused: twelve fits in one process after a failed capture ran out of memory with most of the GPU's memory
+  reserved and unused. Nor is the capture's private memory pool ever released;
 * every random generator registered with the graph stays in capture mode, and the next eager dropout raises
   "Offset increment outside graph capture".
 

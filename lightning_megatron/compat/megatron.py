@@ -41,11 +41,11 @@ def batched_p2p_is_safe(*, on_cpu: bool, pipeline: int, virtual_pipeline: int | 
     """Whether megatron-core 0.16's batched pipeline send/receive (``batch_p2p_comm``) gives right results.
 
     With two pipeline stages and virtual stages, both directions of the interleaved schedule go to the
-    same peer with the same shape, and the batched ``batch_isend_irecv`` pairs them up wrongly. Seen in
-    this project's first GPU parity run (2×H200, NCCL, bf16): the gradient norm of PP2×VPP2 was off by a
-    relative 3.1e3 and the loss by 9.8e-2 against one GPU, while PP4×VPP2 was exact; on gloo the gradients
-    come out ~2000× too large. Unbatched send/receive is exact (benchmarks/results/gpu_parity.json). On
-    gloo, batching also calls ``torch.cuda.synchronize``, so it is off on CPUs altogether.
+    same peer with the same shape, and the batched ``batch_isend_irecv`` pairs them up wrongly. Seen in a
+    GPU parity run (``benchmarks/gpu_parity.py``, NCCL, bf16): the gradient norm and the loss of PP2×VPP2 were
+    far off those of one GPU, while PP4×VPP2 was exact; on gloo the gradients come out about three orders of
+    magnitude too large. Unbatched send/receive is exact. On gloo, batching also calls
+    ``torch.cuda.synchronize``, so it is off on CPUs altogether.
     """
     return not on_cpu and not (pipeline == 2 and virtual_pipeline is not None)
 

@@ -2,11 +2,11 @@
 
 Why: at TP2 without sequence parallelism every layer's forward waits on two all-reduces of its full activation
 (32 MiB for the 1.3B GPT at micro batch 4, sequence 2048): the row-parallel attention projection's and MLP's
-outputs. On 2 x H200 (2026-11-28, ``benchmarks/results/nccl_symm_2xh200.json``) torch's two-shot all-reduce over
-symmetric memory took 127 µs at 32 MiB where NCCL's took 163 µs (264 vs 206 GB/s bus bandwidth; 51 vs 71 µs at
-8 MiB), and 32 NCCL channels did not change NCCL's. The one-shot kind was slower than NCCL from 16 MiB (212 µs at
-32 MiB). megatron-core's own switch for these kernels (``TransformerConfig.symmetric_ar_type``) exists only in its
-Transformer Engine layers, which this project does not use.
+outputs. Within one node, torch's two-shot all-reduce over symmetric memory moves such a tensor faster than
+NCCL's ring (more NCCL channels do not close the gap), while the one-shot kind falls behind NCCL at these sizes
+(the measurements: docs/guides/performance.md). megatron-core's own switch for these kernels
+(``TransformerConfig.symmetric_ar_type``) exists only in its Transformer Engine layers, which this project does
+not use.
 
 Private APIs, kept to this module: ``torch.distributed._symmetric_memory`` (``empty``, ``rendezvous``) with the
 ``torch.ops.symm_mem`` all-reduce kernels, and ``megatron.core.tensor_parallel.mappings._reduce``, the function
@@ -16,10 +16,9 @@ through which megatron-core's layers all-reduce over the tensor-parallel group (
 (listed in :mod:`.inventory`).
 The layers ``layers.wgrad`` gives their own backward reduce their input gradients themselves, on NCCL
 asynchronously under the weight-gradient GEMM; where :func:`installed_for` finds this replacement for their group
-they call it after that GEMM instead, on the compute stream. The overlap they give up was not there to lose: in a
-profile of the graphed TP2 step (``throughput_profile_gpt-1.3b_tp2_graphed_2xh200.txt``) the GPU's kernel time
-summed to 652 ms in a 644 ms step with 784 all-reduces of 171 µs, half of them those input gradients, so almost
-nothing ran beside them.
+they call it after that GEMM instead, on the compute stream. The overlap they give up was not there to lose: a
+profile of the graphed TP2 step shows the GPU's kernel time filling the whole step, with those input-gradient
+all-reduces among them, so almost nothing ran beside them (docs/guides/performance.md).
 
 The contract: :func:`install` replaces ``_reduce`` for one tensor-parallel group and returns a
 :class:`SymmetricAllReduce`; its :meth:`~SymmetricAllReduce.restore` puts megatron-core's back. While installed, a

@@ -37,13 +37,14 @@ import numpy as np
 
 from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer, train_bpe_tokenizer
 
-__all__ = ["PreprocessError", "PreprocessResult", "main", "preprocess_jsonl"]
+__all__ = ["PreprocessError", "PreprocessResult", "main", "preprocess_jsonl", "run"]
 
 _TRAIN_PREFIX = "train:"
 
 
 class PreprocessError(ValueError):
-    """A malformed input line; the message names the file and the 1-based line number."""
+    """Input that cannot be tokenized: a malformed line (the message names the file and the 1-based line number)
+    or a corpus without any text (a dataset of 0 documents and a tokenizer trained on nothing are no use)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,25 @@ def _iter_texts(path: str, key: str) -> Iterator[str]:
             text = _parse_line(line, lineno, path, key)
             if text is not None:
                 yield text
+
+
+def _check_has_text(path: str, key: str) -> None:
+    """Raise :class:`PreprocessError` unless some document of ``path`` has text (reads up to the first one)."""
+    texts = _iter_texts(path, key)
+    documents = 0
+    try:
+        for text in texts:
+            if text:
+                return
+            documents += 1
+    finally:
+        texts.close()
+    found = "no documents (it is empty or has only blank lines)"
+    if documents:
+        found = f"{documents} document(s) but no text (every {key!r} is empty)"
+    raise PreprocessError(
+        f"{path}: {found}; nothing to tokenize. Give a jsonl file with one {json.dumps({key: '...'})} per line."
+    )
 
 
 class _Encoder:
@@ -194,7 +214,7 @@ def preprocess_jsonl(
 
     ``tokenizer`` is a path for :func:`~lightning_megatron.data.tokenizers.load_tokenizer`, or ``train:N``
     to first train an ``N``-token byte-level BPE on the input and save it as ``<output_prefix>-tokenizer.json``.
-    Raises :class:`PreprocessError` on a malformed line, leaving no output files behind.
+    Raises :class:`PreprocessError` on a malformed line or an input without text, leaving no output files behind.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -204,6 +224,7 @@ def preprocess_jsonl(
         raise ValueError(f"chunk_size={chunk_size}: need at least 1")
     if not os.path.isfile(input):
         raise FileNotFoundError(f"input file {input} does not exist")
+    _check_has_text(input, json_key)
     start = time.perf_counter()
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
 
@@ -253,30 +274,8 @@ def preprocess_jsonl(
     return PreprocessResult(documents, tokens, time.perf_counter() - start, bin_path, idx_path, trained_path)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-megatron preprocess",
-        description="Tokenize a jsonl corpus (one document per line) into megatron-core's .bin/.idx dataset.",
-    )
-    parser.add_argument("--input", required=True, help="jsonl file, optionally gzip-compressed (.gz)")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument(
-        "--tokenizer",
-        required=True,
-        help="tokenizer.json, a directory, vocab.json/merges.txt, a sentencepiece .model, "
-        "or train:<vocab_size> to train a byte-level BPE on the input (saved as PREFIX-tokenizer.json)",
-    )
-    parser.add_argument("--json-key", default="text", help="field holding the document text (default: text)")
-    parser.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document id")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    parser.add_argument("--chunk-size", type=int, default=64, help="documents per task sent to a worker (default: 64)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of ``lightning-megatron preprocess``; prints a one-line summary."""
-    args = _parser().parse_args(argv)
+def run(args: argparse.Namespace) -> None:
+    """Run ``lightning-megatron preprocess`` with the parsed arguments; prints a one-line summary."""
     result = preprocess_jsonl(
         args.input,
         args.output_prefix,
@@ -293,6 +292,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         f"{args.output_prefix}: {result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s "
         f"({rate:,.0f} tokens/s){extra}"
     )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``lightning-megatron preprocess`` (its arguments: :mod:`lightning_megatron.cli_commands`)."""
+    from lightning_megatron.cli_commands import parse
+
+    run(parse("preprocess", argv))
 
 
 if __name__ == "__main__":

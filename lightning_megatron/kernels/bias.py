@@ -7,8 +7,9 @@ Contract:
   ``grad_output``'s dtype, accumulated in float32. On CUDA one Triton kernel reads ``grad_output`` once: each
   program sums a block of rows of a column strip into float32 registers; a second, small Triton kernel sums
   those few partial rows in a fixed order and rounds once into the output dtype (two launches in all, where
-  ``partial.sum(0).to(dtype)`` took three). The tile shape depends on the width (:data:`TILES`, measured on an
-  H100). Elsewhere it is ``grad_output.reshape(-1, n).sum(0)``: bit-for-bit autograd's reduction.
+  ``partial.sum(0).to(dtype)`` took three). The tile shape depends on the width (:data:`TILES`, chosen by
+  ``benchmarks/bias_grad_tiles.py``). Elsewhere it is ``grad_output.reshape(-1, n).sum(0)``: bit-for-bit
+  autograd's reduction.
   Call it from any backward that holds a 2-D or N-D output gradient (for example a linear layer's
   ``grad_bias = bias_grad(grad_output) if use_bias else None``).
 * :func:`add_bias` ``(x, bias)``: ``x + bias`` whose backward passes ``dy`` through to ``x`` and takes the bias
@@ -46,11 +47,10 @@ class Tile:
     per_sm: int = 4
 
 
-# (widest row in columns, tile), narrowest first; the last one also beyond. See ``tile_for``. Chosen on an H100 by
-# ``benchmarks/bias_grad_tiles.py`` (results/bias_grad_tiles_h100.json: [8192, width] bf16, CUDA-graph replays):
-# the column sum with these tiles took 0.56-0.96x ATen's time from 1024 to 16384 columns (the first tile, 32 x 256
-# with 4 warps, 0.74-1.25x); the bias-GeLU backward 0.63-0.82x megatron-core's GeLU backward plus ATen's sum from
-# 3072 to 16384 columns (first tile: 0.93-1.18x; the bias-GeLU wants narrower tiles: more registers per element).
+# (widest row in columns, tile), narrowest first; the last one also beyond. See ``tile_for``. Chosen by
+# ``benchmarks/bias_grad_tiles.py`` ([8192, width] bf16, CUDA-graph replays) as the tiles that beat ATen's column sum,
+# and megatron-core's GeLU backward plus ATen's sum, over the widths models use (the bias-GeLU wants narrower tiles:
+# more registers per element); the timings: docs/guides/performance.md.
 TILES: list[tuple[int, Tile]] = [(2048, Tile(128, 64, 4, 8)), (1 << 62, Tile(128, 128, 8, 4))]
 GELU_TILES: list[tuple[int, Tile]] = [(8192, Tile(32, 128, 4, 8)), (1 << 62, Tile(32, 128, 4, 16))]
 

@@ -8,8 +8,8 @@ to megatron-core's ``tensor_parallel.vocab_parallel_cross_entropy`` within fp32 
 Why: without Transformer Engine, megatron-core's fused cross-entropy (``cross_entropy_fusion_impl="native"``)
 compiles steps that materialise fp32 copies of the ``[tokens, vocab]`` logits: an fp32 cast for the max, the exp
 of every logit kept in fp32 for the backward (twice the logits' bytes, written in the forward and read back), and
-an fp32 gradient converted to bf16. On GPT-2-medium (vocabulary 50,304, 8,192 tokens a microbatch) that is ~19 ms
-of a 208 ms step of GPU time on one H200. Here the only tensors kept are the logits themselves (alive anyway: the
+an fp32 gradient converted to bf16. With a GPT-2-sized vocabulary that is a noticeable share of a step's GPU time
+(docs/guides/performance.md). Here the only tensors kept are the logits themselves (alive anyway: the
 output layer produced them) and one fp32 log-sum-exp per token:
 
 * forward: one compiled reduction over the logits (log-sum-exp in fp32) and a gather of the target's logit;

@@ -2,10 +2,10 @@
 
 megatron-core's local ``DotProductAttention`` materializes the full ``[batch, heads, seq, seq]`` score
 matrix with ``baddbmm``, a separate softmax and ``bmm`` — without Transformer Engine that unfused path is
-what made megatron-core's GPT 2.3× slower than a plain PyTorch model on an H100. PyTorch's SDPA picks a
-fused kernel (FlashAttention or memory-efficient attention on GPUs) for the same math: causal masking,
-GQA, dropout, the same softmax scale. This class keeps ``DotProductAttention``'s constructor (head
-partitioning under tensor parallelism, scale, dropout) and replaces only the computation.
+what made megatron-core's GPT much slower than a plain PyTorch model (docs/evaluation/throughput.md).
+PyTorch's SDPA picks a fused kernel (FlashAttention or memory-efficient attention on GPUs) for the same math:
+causal masking, GQA, dropout, the same softmax scale. This class keeps ``DotProductAttention``'s constructor
+(head partitioning under tensor parallelism, scale, dropout) and replaces only the computation.
 """
 
 from __future__ import annotations

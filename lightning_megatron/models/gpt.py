@@ -114,10 +114,9 @@ class GPTModule(MegatronLightningModule):
             reads them twice); the same function within bf16 rounding. On CPUs the same arithmetic as torch
             ops (no speed-up). Local/sdpa specs only. ``None`` (default), for this and the next two: on where
             the strategy replays the training step as a CUDA graph (by default on one node with PP 1), where the
-            three together were measured faster (GPT-2-medium 1.05×, Llama-style 0.85B 1.03× on an H100), and
-            with pipeline stages (PP > 1, eager by design, GPU-bound at the sizes people pipeline: the 1.3B GPT at
-            PP2 1.02×, 477-478 against 466-467 TFLOP/s per H200); off in other eager steps, where their launches
-            cost more host time than they save (GPT-2-medium 0.97×).
+            three together are faster, and with pipeline stages (PP > 1, eager by design, GPU-bound at the sizes
+            people pipeline); off in other eager steps, where their launches cost more host time than they save
+            (the measurements: docs/evaluation/throughput.md).
         fused_bias_grad: The bias gradients of the qkv and fc1 linears and of the two bias-dropout-adds through
             ``lightning_megatron.kernels.bias`` (a single-pass column sum; for fc1 with the fused tanh GeLU,
             summed inside the GeLU backward kernel). Bias-dropout-adds with dropout > 0 keep megatron-core's.

@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Optional
 
-__all__ = ["main", "sample_from_checkpoint"]
+__all__ = ["main", "run", "sample_from_checkpoint"]
 
 
 def sample_from_checkpoint(
@@ -44,17 +44,8 @@ def sample_from_checkpoint(
     return [tok.decode(row) for row in generation.tokens]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron sample", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint directory written by `lightning-megatron fit`")
-    parser.add_argument("--prompt", action="append", help="text to continue (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    parser.add_argument("--top-k", type=int, default=50, help="0 for no top-k filter")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 for no filter")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", help="override the tokenizer recorded in the run's config")
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> None:
+    """Run ``lightning-megatron sample`` with the parsed arguments: print each continuation after ``--- ``."""
     texts = sample_from_checkpoint(
         args.checkpoint,
         args.prompt or ["And"],
@@ -67,3 +58,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     for text in texts:
         print(f"--- {text}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``lightning-megatron sample`` (its arguments: :mod:`lightning_megatron.cli_commands`)."""
+    from lightning_megatron.cli_commands import parse
+
+    run(parse("sample", argv))

@@ -9,6 +9,7 @@
 or browser that opens it (set ``LM_SCOPE_TOKEN`` to choose it; never a command-line argument, which other users
 could read in ``ps``). It listens on 127.0.0.1 unless ``--host`` says otherwise.
 With ``--devices N`` Lightning starts the other ranks, which follow the serving rank's requests.
+The arguments are defined in :mod:`lightning_megatron.cli_commands` (``--help`` answers without importing torch).
 """
 
 from __future__ import annotations
@@ -19,23 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["main"]
-
-
-def _layout_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", nargs="?", help="a checkpoint directory written by `lightning-megatron fit`")
-    parser.add_argument("--hf", help="a local Hugging Face GPT-2 or Llama directory instead of a checkpoint")
-    parser.add_argument("--tokenizer", help="override the tokenizer recorded in the run's config")
-    parser.add_argument("--devices", type=int, default=1, help="processes (GPUs, or CPU processes)")
-    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu"])
-    parser.add_argument("--precision", help="override the run's precision (e.g. bf16-mixed)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int)
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument(
-        "--layer-spec", choices=["local", "sdpa"], help="attention implementation (checkpoints load with either)"
-    )
+__all__ = ["main", "run"]
 
 
 def _load(args: argparse.Namespace, micro_batch_size: int = 1) -> Any:
@@ -141,29 +126,15 @@ def _validation_data(loaded: Any, args: argparse.Namespace) -> Any:
     return DataLoader(batches, batch_size=None)  # the same batches for every cell
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-megatron scope", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model to the MegaScope web UI")
-    _layout_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: this machine only)")
-    serve.add_argument("--port", type=int, default=5000, help="0 picks a free port")
-    serve.add_argument("--allowed-host", action="append", help="another Host name the page may be opened under")
-    sweep = commands.add_parser("sweep", help="Δ validation loss of a seeded perturbation grid")
-    _layout_arguments(sweep)
-    sweep.add_argument("--layers", type=int, nargs="+", help="default: every layer")
-    sweep.add_argument("--sites", nargs="+", default=["system", "calculation", "storage"])
-    sweep.add_argument("--kinds", nargs="+", default=["gaussian"])
-    sweep.add_argument("--strengths", type=float, nargs="+", default=[1e-2, 1e-1])
-    sweep.add_argument("--seed", type=int, default=0)
-    sweep.add_argument("--batches", type=int, default=4, help="validation batches per cell")
-    sweep.add_argument("--micro-batch-size", type=int, default=1)
-    sweep.add_argument("--grad-norm", action="store_true", help="also the gradient norm of the first batch")
-    sweep.add_argument("-o", "--output", default="megascope-sweep")
-    args = parser.parse_args(argv)
-    if (args.checkpoint is None) == (args.hf is None):
-        parser.error("give a checkpoint directory or --hf DIR")
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``scope serve`` or ``scope sweep``; its exit status."""
     return _serve(args) if args.command == "serve" else _sweep(args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from lightning_megatron.cli_commands import parse
+
+    return run(parse("scope", argv))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A training step's forward and backward as one CUDA graph: captured once, then replayed every step.
 
-Why: a model that is small for its GPU is bound by the host, not the GPU. GPT-2-medium on an H200 launches
-about 5,000 kernels a step; Python, autograd and the launches take longer than the kernels, so the GPU
-idles between them. Replaying a CUDA graph launches the whole step at once. megatron-core offers the same
+Why: a model that is small for its GPU is bound by the host, not the GPU. GPT-2-medium launches about 5,000
+kernels a step; on a current data-centre GPU, Python, autograd and the launches take longer than the kernels,
+so the GPU idles between them. Replaying a CUDA graph launches the whole step at once. megatron-core offers the same
 (``cuda_graph_impl="local"`` with the ``full_iteration`` scope); its wrapper keeps class-level state, assumes
 dict batches and Megatron-LM's training loop. This one is the strategy's, per fit, and knows the step's
 contract.
@@ -269,8 +269,8 @@ def resolve_cuda_graphs(
     node without pipeline stages, bf16 or fp32, and a module that declares its ``forward_step`` capturable
     (:func:`declares_graph_safe_step`; ``GPTModule`` does). Tensor and data parallelism replay their collectives
     inside the graph: the fits of ``tests/test_graphs_gpu.py`` at TP2 with and without sequence parallelism, DP2,
-    and DP2 with the distributed optimizer and overlapped reduction match the eager ones (2 × H200, 2026-11-24),
-    and the graphed step ran 1.55-1.88× the eager one at DP2 (GPT-2-medium) and 1.32× at TP2 (the 1.3B GPT).
+    and DP2 with the distributed optimizer and overlapped reduction match the eager ones, and the graphed step
+    is much faster than the eager one at DP2 and TP2 (docs/evaluation/throughput.md).
     Across nodes it stays opt-in: never run there; so do the settings named in ``unchecked`` (on in this run, never
     run graphed with more than one process: the strategy names them). Asked for where it cannot work: an error, in
     any run.
@@ -308,14 +308,11 @@ def resolve_accumulation_fusion(
     """Whether the weight-gradient GEMMs accumulate into ``main_grad`` (``gradient_accumulation_fusion``).
     ``True``/``False`` are the user's; ``None`` (automatic) turns it on with the graph, where it was measured
     faster: a step replayed as a CUDA graph with half-precision weights, where the host's extra work per layer is
-    gone from the step and the GEMM saves the separate add and the bf16 temporary. One H100: GPT-2-medium 1.02x,
-    a Llama-style 0.85B 1.01-1.03x (``throughput_1gpu_gaf_graphs*_h100.json``). 2 x H200: a 1.3B GPT at TP2
-    1.018x, and 1.011x again beside 32 NCCL channels (``throughput_gpt-1.3b_tp2_*_2xh200.json``); GPT-2-medium
-    at DP2 1.029x, every round of three faster (420.5 -> 432.6 TFLOP/s median, 2026-11-28,
-    ``throughput_gpt2-medium_dp2_gaf_2xh200.json``). Graphed and eager fits matched bit for bit with it at TP2
-    and DP2 (``graphs_gpu_pytest_2xh200.json``). Eager one-GPU steps of GPT-2-medium ran 0.92x with it
-    (host-bound), so it stays off without the graph; graphed pipelines have run no parity test with it, so
-    automatic stays off at PP until one has (asking for it works)."""
+    gone from the step and the GEMM saves the separate add and the bf16 temporary: a few percent on one GPU, at
+    TP2 and at DP2 (docs/evaluation/throughput.md). Graphed and eager fits matched bit for bit with it at TP2
+    and DP2 (``tests/test_graphs_gpu.py``). Eager one-GPU steps ran slower with it (host-bound), so it stays off
+    without the graph; graphed pipelines have run no parity test with it, so automatic stays off at PP until
+    one has (asking for it works)."""
     if requested is not None:
         return requested
     half = params_dtype in (torch.bfloat16, torch.float16)
@@ -326,8 +323,8 @@ def settings_not_run_graphed(*, overlap_param_gather: bool, tp_comm_overlap: boo
     """The settings on in a multi-process run that no graph parity test (``tests/test_graphs_gpu.py``) has run
     with, for ``resolve_cuda_graphs(unchecked=...)``: megatron-core's parameter all-gather waits inside the forward
     on work started in the optimizer step, and the overlapped and split linears issue their own collectives and
-    GEMMs. The fused weight-gradient GEMM is not among them: graphed and eager fits matched bit for bit at TP2
-    (2 x H200, 2026-11-27) and at DP2 (2026-11-28), ``graphs_gpu_pytest_2xh200.json``."""
+    GEMMs. The fused weight-gradient GEMM is not among them: graphed and eager fits matched bit for bit with it
+    at TP2 and at DP2 (``tests/test_graphs_gpu.py``)."""
     named = {"overlap_param_gather": overlap_param_gather, "tp_comm_overlap": tp_comm_overlap}
     return tuple(name for name, on in named.items() if on)
 

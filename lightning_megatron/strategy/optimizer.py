@@ -340,8 +340,8 @@ def _fuse_adam_steps(megatron_optimizer: Any) -> None:
     """Step torch's Adam/AdamW inside megatron-core's optimizer with its fused CUDA kernel.
 
     Without Transformer Engine or Apex, megatron-core builds a plain ``torch.optim.AdamW``, whose CUDA default is
-    the foreach implementation: about ten passes over the fp32 master weights and both moments (9 ms a step on
-    GPT-2-medium on one H200, against 3.4 ms fused). ``fused=True`` is torch's single-kernel Adam, the same update
+    the foreach implementation: about ten passes over the fp32 master weights and both moments, several times the
+    fused kernel's time (docs/guides/performance.md). ``fused=True`` is torch's single-kernel Adam, the same update
     (what Apex's ``FusedAdam`` does). Set before the first step, so every ``step`` state tensor is created where the
     fused kernel wants it (on the parameter's device); torch's ``load_state_dict`` moves loaded ones there too. A
     user optimizer built with ``fused=False`` keeps the default.

@@ -31,7 +31,7 @@ __all__ = ["collect_previous_fits", "release_training_state"]
 _CONFIG_HOOKS = ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func", "grad_scale_func")
 _PARAM_ATTRIBUTES = ("main_grad", "grad_added_to_main_grad", "main_param", "main_param_sharded")
 """What megatron-core's DDP and optimizers hang on each parameter: the gradient-buffer view and the optimizer's
-fp32 master copy (found on 2 × H200: 3.8 GB of a 350M model's training state outlived its fit through these)."""
+fp32 master copy (a 350M model's training state, gigabytes of GPU memory, outlived its fit through these)."""
 
 
 def release_training_state(chunks: Iterable[torch.nn.Module], configs: Iterable[Any]) -> None:

@@ -50,12 +50,12 @@ chooses; ``transports_to`` lists the lanes), never through a copy of ours:
   so a stream of large messages is received side by side, not one pull at a time. While a pull is in flight the
   progress thread polls UCX without sleeping (the copy's completion wakes no file descriptor).
 
-Tested so far: ``tests/test_transport_ucx_gpu.py`` passed on 2 H200s (NVLink) with the ``libucx-cu13``
-1.22.0 wheel, torch 2.11+cu130, Python 3.12 (last on 2026-11-27): UCX chose ``["posix/memory",
-"cuda_ipc/cuda"]`` (a rendezvous zero-copy read over CUDA IPC), and with the event wait removed its
-still-being-computed case got stale data (so the case does catch it). The streaming benchmark
-(``benchmarks/transport.py --gpu``) gives ucx 0.90-0.92x NCCL at 16 MiB and 0.84-1.02x from 64 to 256 MiB
-(``benchmarks/results/transport_gpu_ucx_ahead_fix_2xh200.json``). The mechanics of the deferred receive are also checked on CPUs with host memory standing in for GPU memory
+Tested: ``tests/test_transport_ucx_gpu.py`` on two GPUs of one host with peer access (NVLink) and the
+``libucx-cu13`` wheel: UCX chose ``["posix/memory", "cuda_ipc/cuda"]`` (a rendezvous zero-copy read over CUDA
+IPC), and with the event wait removed its still-being-computed case got stale data (so the case does catch it).
+The streaming benchmark (``benchmarks/transport.py --gpu``) puts ucx close to NCCL for large messages (the
+figures, with versions and hardware: docs/evaluation/throughput.md). The mechanics of the deferred receive are
+also checked on CPUs with host memory standing in for GPU memory
 (``tests/test_transport_ucx.py::test_device_path_with_host_memory``). Not tested: other UCX versions, GPUs
 without peer access or on other hosts (UCX would stage through the host or use its network transports),
 torch's ``expandable_segments`` allocator, a peer dying mid-pull.
@@ -91,22 +91,19 @@ SPIN_SECONDS = {"cpu": 20e-6, "cuda": 2e-3}
 
 With a CUDA device a message's steps (the rendezvous, the copy on UCX's stream, its completion, the ack) follow
 each other by tens to hundreds of microseconds; a thread that slept in between waited for a wake-up at each one.
-Polling 2 ms instead of 20 µs, measured with ``benchmarks/transport.py``, two launches each:
+Polling 2 ms instead of 20 µs cuts the latency of a message by a third and lifts the bandwidth of a stream of
+large ones well towards NCCL's, both processes on one GPU and on two (``benchmarks/transport.py --one-gpu`` and
+``--gpu``; the figures: docs/evaluation/throughput.md).
 
-* one H100, both processes on it (``--one-gpu``, ``transport_one_gpu_ucx_h100.json``): the 1 MiB latency (half a
-  round trip) from 517-535 to 328-342 µs, the 256 MiB stream from 380-410 to 570-626 GB/s;
-* 2 H200s (``--gpu``, ``transport_gpu_ucx_spin_2xh200.json``): 16 MiB from 89-118 to 160-166 GB/s, 64 MiB from
-  82-147 to 270-276 GB/s (NCCL: 291 and 327).
-
-The price is a core polling for 2 ms after each message, which GPU hosts have and the CPU-only machines this also
-runs on do not: host-only transports keep 20 µs."""
+The price is a core polling for 2 ms after each message, which GPU hosts have and CPU-only machines may not:
+host-only transports keep 20 µs."""
 
 UCX_DEFAULTS = {
     # Peer error handling (needed to raise PeerLost instead of hanging) makes UCX drop shared memory unless the
     # transport says it supports it, and POSIX shared memory does when asked: its segments are files that stay
     # mapped after the peer dies. Without this, ranks on one host would talk over TCP loopback. (CMA's zero-copy
-    # rendezvous stays off under error handling unless UCX_CMA_MEMORY_INVALIDATE=y; on the 2-core machine of
-    # benchmarks/results/transport_cpu_ucx.json POSIX's pipelined copy-in/copy-out was the faster of the two.)
+    # rendezvous stays off under error handling unless UCX_CMA_MEMORY_INVALIDATE=y; in ``benchmarks/transport.py``
+    # on CPUs POSIX's pipelined copy-in/copy-out was the faster of the two.)
     "POSIX_ERROR_HANDLING": "y",
 }
 """UCX settings this transport changes (a ``UCX_*`` environment variable or ``ucx_config`` entry wins)."""
@@ -408,8 +405,8 @@ class UcxTransport(NativeTransport):
 
         The totals are kept as messages come and go (``_ahead_count``, ``_ahead_bytes``) and a key whose queue is
         empty is removed: pipelines tag every message anew, and a scan of every key ever seen made each take
-        slower as a run went on (2 x H200, the transport benchmark's sweep: 16 MiB messages at 0.34-0.38x NCCL
-        with the scan, 0.90-0.92x without)."""
+        slower as a run went on (in the transport benchmark's sweep, a fraction of NCCL's bandwidth with the scan,
+        close to it without)."""
         while self._ahead_count < self.pull_ahead and self._ahead_bytes < self.PREFETCH_BYTES:
             msg = self._engine.take(peer, tag)
             if msg is None:

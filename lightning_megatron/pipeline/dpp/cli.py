@@ -10,6 +10,7 @@ link delays and compute noise, and print the median step time and the speed-up o
 A ``--config`` YAML file holds :class:`~lightning_megatron.pipeline.dpp.simulate.Scenario` fields (the flags
 override it). ``--timeline`` draws one seed's step (``--seed``) as a per-rank Gantt chart per policy (needs
 matplotlib). Exit code: 0; 1 when a policy deadlocked (a bug: the memory rule forbids it); 2 for bad settings.
+The arguments are defined in :mod:`lightning_megatron.cli_commands` (``--help`` answers without importing torch).
 """
 
 from __future__ import annotations
@@ -23,54 +24,7 @@ from typing import Any, Optional, Union
 
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["main", "plot_timeline"]
-
-
-# -- argument types ----------------------------------------------------------------------------------------------
-
-
-def _times(text: str) -> Union[float, tuple[float, ...]]:
-    """``1`` or ``1,1,1.2,1`` (one per pipeline rank)."""
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give seconds, or comma-separated seconds per rank") from None
-    return values[0] if len(values) == 1 else values
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 0,2,4") from None
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
-def _links(text: str) -> tuple[tuple[int, int], ...]:
-    """``1-0`` or ``1-0,2-3``: (src, dst) pipeline-rank links."""
-    links = []
-    for item in text.split(","):
-        try:
-            src, dst = item.split("-")
-            links.append((int(src), int(dst)))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: give links as SRC-DST, e.g. 1-0 or 0-1,1-2") from None
-    return tuple(links)
-
-
-def _slow(text: str) -> dict[int, float]:
-    """``1:1.2`` or ``1:1.2,3:1.1``: rank 1 is 20% slower (rank 3: 10%)."""
-    slow = {}
-    for item in text.split(","):
-        try:
-            rank, factor = item.split(":")
-            slow[int(rank)] = float(factor)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: give RANK:FACTOR, e.g. 1:1.2 for a rank 20% slower") from None
-    return slow
+__all__ = ["main", "plot_timeline", "run"]
 
 
 # Flag -> Scenario field, for the flags that set one (None: not given, the config file's or the default value).
@@ -90,41 +44,6 @@ _FIELDS = {
     "grace_fraction": "grace_fraction",
     "seed": "seed",
 }
-
-
-def _register_simulate(commands: argparse._SubParsersAction) -> None:
-    from lightning_megatron.pipeline.dpp.simulate import DELAY_KINDS
-
-    p = commands.add_parser(
-        "simulate",
-        help="compare the scheduling policies in simulation",
-        description="Simulate pipeline steps under MegaDPP's policies over many seeds of delays and noise.",
-    )
-    p.add_argument("--config", type=Path, default=None, metavar="SCENARIO.yaml", help="Scenario fields (YAML)")
-    p.add_argument("--pipeline", type=int, help="pipeline ranks (default 2)")
-    p.add_argument("--chunks", type=int, help="model chunks per rank; 1 = plain 1F1B (default 1)")
-    p.add_argument("--microbatches", type=int, help="microbatches per step (default 8)")
-    p.add_argument("--forward", type=_times, metavar="S[,S...]", help="forward time of one chunk task (default 1)")
-    p.add_argument("--backward", type=_times, metavar="S[,S...]", help="backward time of one chunk task (default 2)")
-    p.add_argument("--slow-ranks", type=_slow, metavar="RANK:FACTOR[,...]", help="persistently slower ranks")
-    p.add_argument("--jitter", type=float, metavar="CV", help="compute-time coefficient of variation (default 0)")
-    p.add_argument("--transfer", type=float, metavar="S", help="base time of one transfer (default 0)")
-    p.add_argument("--delay", choices=DELAY_KINDS, help="link delay model (default none)")
-    p.add_argument("--delay-mean", type=float, metavar="S", help="the delay model's mean (spike: its size)")
-    p.add_argument("--delay-probability", type=float, metavar="P", help="spike: fraction of messages delayed")
-    p.add_argument("--delay-links", type=_links, metavar="SRC-DST[,...]", help="delayed links (default: all)")
-    p.add_argument("--grace-fraction", type=float, metavar="F", help="adaptive policy's grace, in forward times")
-    p.add_argument("--seed", type=int, help="first seed (default 0); also the --timeline seed")
-    p.add_argument("--seeds", type=int, default=20, help="seeds to simulate (default 20)")
-    p.add_argument("--extra", type=_ints, default=(0, 2, 4), metavar="N[,N...]", help="extra activations (0,2,4)")
-    p.add_argument("--policies", type=_names, default=None, metavar="NAME[,...]", help="policies (default: all)")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="also write the rows as JSON")
-    p.add_argument("--timeline", type=Path, default=None, metavar="OUT.png", help="draw one seed's step per policy")
-    p.add_argument("--timeline-extra", type=int, default=None, metavar="N", help="its extra (default: the largest)")
-    progress = p.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="progress bar")
-    progress.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=_simulate_cli)
 
 
 def _scenario(args: argparse.Namespace):
@@ -294,9 +213,12 @@ def plot_timeline(results: list, output: Union[str, Path], *, title: Optional[st
 # -- entry point -------------------------------------------------------------------------------------------------
 
 
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``dpp`` subcommand (``simulate``); its exit status."""
+    return _simulate_cli(args)  # a MegatronConfigError is reported by lightning_megatron.cli_errors
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-megatron dpp", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    _register_simulate(commands)
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)  # a MegatronConfigError is reported by lightning_megatron.cli_errors
+    from lightning_megatron.cli_commands import parse
+
+    return run(parse("dpp", argv))

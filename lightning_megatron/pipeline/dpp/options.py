@@ -45,14 +45,14 @@ class DppOptions:
     * a number from 1.0 to 4.0 (default 1.05), a byte budget: ``"own-rank"``'s count, and beyond it pending weight
       gradients kept (the oldest run layer by layer until the rest fit) while this rank stays within that multiple
       of the most loaded pipeline rank's peak GPU memory, measured in the first training step (which runs
-      ``"own-rank"``). On a 1.3B GPT at PP2 (2x H200, 8 microbatches): 1.061x 1F1B's speed at 1.068x its peak
-      memory (``benchmarks/results/zb_m8_budget_sdpa_2xh200.json``). CPUs keep no allocator statistics: there it
-      is ``"own-rank"``;
+      ``"own-rank"``). Later ranks so defer part of their Ws, for nearly ``"first-rank"``'s speed at little more
+      than 1F1B's peak memory (the figures: docs/evaluation/schedules.md). CPUs keep no allocator statistics:
+      there it is ``"own-rank"``;
     * ``"own-rank"``: each rank's own 1F1B peak, counted in microbatches (no rank above its 1F1B memory; later
-      ranks defer less: 1.045x);
+      ranks defer less, so it gains less);
     * ``"first-rank"``: the first pipeline rank's 1F1B peak, counted, on every rank (later ranks defer Ws into the
-      room 1F1B leaves them: 1.066x, but counts are not bytes: the last rank also holds the logits, and its peak
-      grew from 16.6 to 23.6 GiB, 1.24x the first rank's 19.0)."""
+      room 1F1B leaves them, the fastest, but counts are not bytes: the last rank also holds the logits, and its
+      peak grows well above the first rank's)."""
 
 
 def _check_weight_grad_memory(value: Any) -> None:

@@ -32,10 +32,10 @@ peers) and the policy, whose learned timings carry over from step to step. Each 
   else they hold (the last rank holds the logits), so by default (``weight_grad_memory``, a number) a byte
   budget lets a rank keep Ws beyond that count while their bytes fit what the most loaded rank's peak, measured
   in the first step and times that number, leaves it; the oldest W then runs layer by layer until the rest fit.
-  Later ranks so defer part of their Ws and their input gradients reach the ranks before them sooner (1.061x
-  1F1B at 1.068x its peak memory on a 1.3B GPT at PP2, ``benchmarks/results/zb_m8_budget_sdpa_2xh200.json``).
-  ``"first-rank"`` counts against the first rank's peak on every rank, as ZB-H1 (Qi et al.) bounds it: a little
-  faster, but there the last rank reached 1.24x the job's 1F1B peak.
+  Later ranks so defer part of their Ws and their input gradients reach the ranks before them sooner (speed and
+  peak memory against 1F1B: docs/evaluation/schedules.md). ``"first-rank"`` counts against the first rank's
+  peak on every rank, as ZB-H1 (Qi et al.) bounds it: a little faster, but the last rank, which also holds the
+  logits, then goes well above the job's 1F1B peak.
 
 Waits are bounded by the strategy's timeout (:class:`~lightning_megatron.transport.TransportTimeout` names what
 was awaited); a dead peer raises :class:`~lightning_megatron.transport.PeerLost` naming it.

@@ -552,9 +552,9 @@ def _run(args: argparse.Namespace) -> int:
             summary, failure = None, err
     # after the progress bars, each on its own line, once, before the result they qualify
     for message in dict.fromkeys(str(w.message) for w in caught):
-        print(f"megascan aggregate: warning: {message}", file=sys.stderr)
+        print(f"lightning-megatron scan aggregate: warning: {message}", file=sys.stderr)
     if summary is None:
-        print(f"megascan aggregate: {failure}", file=sys.stderr)
+        print(f"lightning-megatron scan aggregate: error: {failure}", file=sys.stderr)
         return 2
     print(
         f"{output}: {summary['ranks_present']}/{summary['world_size']} ranks, {summary['events_out']} events, "

@@ -44,10 +44,10 @@ from lightning_megatron.scan.analysis.rules_common import (
 __all__ = ["attribute_busy", "attribute_host", "fold_consequences"]
 
 # A host named for a suspect's excess must have queued the work at least this share of that excess slower: a
-# host 9-13% slower cannot explain spans 110-290% longer (2x H200, TP2 with sequence parallelism: the
-# tensor-parallel ranks' spans differ by 2-5x with the waits inside them, clean runs too, and such ranks were
+# host a little slower cannot explain spans twice as long or more (at TP2 with sequence parallelism the
+# tensor-parallel ranks' spans differ severalfold with the waits inside them, clean runs too, and such ranks were
 # named ``host`` for a GPU or memory contention, on the rank or on its peer, by both attributions). Where the
-# host did pace the spans the two excesses agree (0.96-1.01 in every host-named DP2 case of those runs).
+# host did pace the spans the two excesses agree (the evaluation: docs/evaluation/megascan.md).
 _HOST_EXPLAINS = 0.5
 
 
@@ -129,9 +129,9 @@ def _launch_pace_not_paid(suspect: Suspect, traces: dict[int, RankTrace], queued
     """Whether a suspect about to be named ``host`` for its launch pace was measured on steps the job replays as
     a CUDA graph (``RankTrace.eager_in_place_of_replays``); then it is dropped with a note. A replay is one launch,
     so its host's pace kernel by kernel costs the job nothing: MegaScan made the traced steps eager to look into
-    them (2x H200, eager traced DP2 steps: 3 of 9 clean fits named rank 0 ``host`` for queueing 12-49% slower,
-    its kernels -1% to +0%). Host time outside the graph (gaps between steps, hooks, the loader) has rules of
-    its own, which this does not touch."""
+    them (eagerly traced DP2 steps of clean fits named a rank ``host`` for queueing slower while its kernels
+    took as long as its peer's; docs/evaluation/megascan.md). Host time outside the graph (gaps between steps,
+    hooks, the loader) has rules of its own, which this does not touch."""
     if not traces[suspect.rank].eager_in_place_of_replays:
         return False
     notes.append(
@@ -199,9 +199,9 @@ def attribute_busy(context: DetectionContext) -> list[Suspect]:
         if window is not None and window >= min_slowdown:
             # Kernels longer than the peers' in one sampled window: only the GPU makes a rank's own kernels longer
             # (a host, a loader or the CPU cannot), so the GPU was slowed part of the time, and the slower queueing
-            # is what a shared GPU does to the launches of a host-paced step (2x H200, eager DP2, another process
-            # on the GPU 0.3 s on and 0.3 s off: kernels +13% to +75% in one of two windows, 0-1% in the other,
-            # host queueing +24-29%; every fit without a GPU fault stayed within +2% in each window).
+            # is what a shared GPU does to the launches of a host-paced step (eager DP2, another process on the
+            # GPU in bursts: kernels much longer in one of two windows and as before in the other, host queueing
+            # slower too; fits without a GPU fault stayed within a few percent in each window).
             evidence["busy_window_excess"] = round(window, 4)
             evidence["why_compute"] = (
                 f"its GPU's kernels took {window:+.0%} longer than its peers' in one sampled step ({busy_excess:+.0%} "
@@ -215,9 +215,9 @@ def attribute_busy(context: DetectionContext) -> list[Suspect]:
         share = compared.queue_share
         if share is not None and share < _HOST_AHEAD:
             # Its host had queued each span's work in a fraction of the span, so it was not late: the GPU ran
-            # other work between this rank's kernels (2x H200, a second process on the GPU: one layer part of
-            # the slow stage 2.7 ms, queued in 0.9 ms; where the time slices fell between kernels, not inside
-            # them, its busy time grew only 6%).
+            # other work between this rank's kernels (a second process on the GPU: one layer part of the slow
+            # stage queued in a third of its span; where the time slices fell between kernels, not inside them,
+            # its busy time grew only a little).
             evidence["queue_share"] = round(share, 3)
             evidence["why_compute"] = (
                 f"its host queued the work in {share:.0%} of the spans' length, yet its kernels took only "
@@ -286,7 +286,7 @@ def _busy_comparison(
         return _BusyComparison(value / base - 1.0, host, "its own earlier steps", value, base, span)
     if suspect.evidence.get("across_stages"):
         # A typical layer (the sum of the parts' medians), as the per-step rule compares: time slicing with
-        # another process stretched one part's kernels 3x and left the others alone (2x H200), which a median
+        # another process stretched one part's kernels severalfold and left the others alone, which a median
         # over the parts hides.
         alone = [r for ranks in groups.values() if len(ranks) == 1 for r in ranks if r != suspect.rank]
         others = [busy[r] for r in alone if r in busy and busy[r].busy_per_part]
@@ -379,10 +379,10 @@ def fold_consequences(context: DetectionContext) -> list[Suspect]:
     suspect's evidence, not named as a second cause:
 
     * a longer host gap between steps (it holds round trips to the GPU, such as Lightning's per-step
-      synchronisation): ``host_gap_ms`` (2x H200, another process competing for one GPU: +3.5 ms of host gap
-      per step beside +180 ms of compute, every such run);
+      synchronisation): ``host_gap_ms`` (another process competing for one GPU: a host gap per step of a few
+      percent of the compute it added, every such run);
     * a slower link from that rank (its communication kernels share the GPU too): ``link_ms`` and the link's
-      ``link_peer`` (2x H200 at PP2, the same fault: +4 to +6 ms of transfer beside +55 to +75 ms of compute)."""
+      ``link_peer`` (at PP2, the same fault: transfers longer by a tenth of the compute's excess)."""
     suspects = context.suspects
     compute = {s.rank: s for s in suspects if s.kind == "compute"}
     kept = []

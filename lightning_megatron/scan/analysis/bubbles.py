@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -417,7 +418,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "waiting for the peer (bubble) and the time moving bytes (transfer), per stage, link and step, beside the "
         "schedule's theoretical bubble fraction.",
     )
-    parser.add_argument("trace_dir", type=Path, metavar="TRACE_DIR")
+    parser.add_argument(
+        "trace_dir", type=Path, metavar="TRACE_DIR", help="a MegaScan trace directory (one file per rank)"
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="also write the figures as JSON")
     parser.add_argument("--skip-steps", type=int, default=0, help="leave out the first N steps (warm-up)")
     parser.add_argument("--links", action="store_true", help="also print every link (sender -> receiver)")
@@ -432,7 +435,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             warnings.simplefilter("ignore")  # printed once, below
             found = pipeline_bubbles(args.trace_dir, args.skip_steps, notes)
     except (FileNotFoundError, NotADirectoryError) as err:
-        print(f"error: {err}")
+        print(f"lightning-megatron scan bubbles: error: {err}", file=sys.stderr)
         return 2
     for note in notes:
         if note not in found.get("warnings", []):  # the table prints those

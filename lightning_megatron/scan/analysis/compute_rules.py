@@ -135,8 +135,8 @@ def step_suspects(context: DetectionContext) -> list[Suspect]:
             impact_us = trimmed_mean([a - b for a, b in zip(compute[rank], baseline)])
             if excess < min_slowdown or impact_us < min_impact_us:
                 continue
-            # A large excess needs less certainty: bursts that spare 2 of 8 steps give p of about 0.02 (a
-            # competing process on one of 2x H200 was missed in 3 of 10 runs at 0.01 alone).
+            # A large excess needs less certainty: bursts that spare 2 of 8 steps give p of about 0.02 (at 0.01
+            # alone, a competing process on one of two GPUs was missed in several runs).
             alpha = _STEP_ALPHA_LARGE if excess >= 2 * min_slowdown else _STEP_ALPHA
             slower_than = [q for q, p in p_values.items() if p < alpha / len(peers)]
             if not slower_than or len(slower_than) < len(peers) / 2:
@@ -201,11 +201,10 @@ def own_history_suspects(context: DetectionContext) -> list[Suspect]:
 
     With other ranks beside it, the change must also stand relative to theirs (the rank's compute step by step
     over the median of the others', the same test, sized by the smaller of the two): a change they all share is
-    the job's, not the rank's, and a rank whose peers sped up did not turn slow. On the 2-vCPU CI machine each
-    rank's compute moved by -9% to +8% between the halves of a 34-step DP2 fit, the two ranks together
-    (correlation 0.53 over 60 fits); the rule named a rank in 2 of those fits tested alone, in 1 relative to the
-    peer (``benchmarks/results/megascan_eval_cpu_dp2_history_relative.json``). GPUs share clock and cooling
-    changes the same way. A change every rank shares is reported in ``notes`` instead."""
+    the job's, not the rank's, and a rank whose peers sped up did not turn slow. On a small CPU machine the
+    ranks' compute drifts between the halves of a DP2 fit, the ranks together, and the relative test names
+    fewer clean ranks than the test alone (docs/evaluation/megascan.md). GPUs share clock and cooling changes
+    the same way. A change every rank shares is reported in ``notes`` instead."""
     traces, per_rank, totals, notes = context.traces, context.per_rank, context.totals, context.notes
     min_slowdown, min_impact_us = context.min_slowdown, context.min_impact_us
     series = {}

@@ -82,6 +82,7 @@ is taken for hiccups (on purpose), and the per-step rule needs at least 8 traced
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -170,7 +171,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         help="rank the slow ranks, links and data loaders of a MegaScan trace directory",
         description="Compare every rank with the ranks doing the same work and name the slow ones.",
     )
-    parser.add_argument("trace_dir", type=Path, metavar="TRACE_DIR")
+    parser.add_argument(
+        "trace_dir", type=Path, metavar="TRACE_DIR", help="a MegaScan trace directory (one file per rank)"
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="also write the report as JSON")
     parser.add_argument("--min-slowdown", type=float, default=0.08, help="smallest reported excess (fraction)")
     parser.add_argument("--min-z", type=float, default=3.5, help="standard errors above the baseline (log ratio)")
@@ -193,7 +196,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 skip_steps=args.skip_steps,
             )
     except (FileNotFoundError, NotADirectoryError) as err:
-        print(f"error: {err}")
+        print(f"lightning-megatron scan detect: error: {err}", file=sys.stderr)
         return 2
     print(report.table(per_rank=args.per_rank))
     if args.json is not None:

@@ -11,8 +11,8 @@ suspects out, with the statistics of ``scan.analysis.compare``, by two rules lik
   layer is slower, also in traces too short for the per-step rule;
 * **per step** (``cross_stage_step_suspects``): per step, the mean time of each layer part, summed (a typical
   layer's forward and backward), each rank against the lower half of the others with Wilcoxon's signed-rank test
-  over steps. Another process time-slicing a GPU does not slow every part: on 2x H200 it made one part of a
-  stage's layers (a different one each run) about 3x slower and left the others as they were, which no
+  over steps. Another process time-slicing a GPU does not slow every part: it made one part of a stage's
+  layers (a different one each run) severalfold slower and left the others as they were, which no
   per-part median reveals and this sum does. The mean, not the median, because time slices hit a few spans
   hard: on CPUs another process on a stage's core left the median layer part as it was (+7%) and made the mean
   +42% to +99% (the time the stage lost); the test over steps, not the mean, keeps a one-off pause out;
@@ -66,12 +66,12 @@ __all__ = ["cross_stage_suspects", "cross_stage_step_suspects", "cross_stage_wai
 _STEP_ALPHA = 0.01  # as the peer rules: one rank against the other lone stages
 _STEP_ALPHA_LARGE = 0.05  # ... for an excess of at least twice min_slowdown (bursts that spare a few steps)
 # Another stage is a weaker baseline than a peer: its layers run beside other work (the embedding, the output
-# layer), with other neighbours. In clean fits on 2x H200 one stage's typical layer was up to 12% slower than the
-# other's (a few % in most), so these rules ask for twice ``min_slowdown``. Processes on CPUs share more than a
-# GPU's (caches, memory bandwidth, on a VM the host's cores), so one stage's speed follows what the other does: on
-# a 2-vCPU VM, each stage pinned to one vCPU, the first stage's typical layer was 3-11% slower than the second's in
-# 15 clean fits, and up to 19% under faults that did not touch its compute (host stalls, a delayed link, slow
-# loaders; 105 fits): CPU traces ask for three times ``min_slowdown``.
+# layer), with other neighbours. In clean GPU fits one stage's typical layer was at times more than min_slowdown
+# slower than the other's (a few % in most), so these rules ask for twice ``min_slowdown``. Processes on CPUs share
+# more than a GPU's (caches, memory bandwidth, on a VM the host's cores), so one stage's speed follows what the other
+# does: with each stage pinned to one vCPU the first stage's typical layer was slower than the second's in clean
+# fits by up to more than min_slowdown, and by more still under faults that did not touch its compute (host stalls,
+# a delayed link, slow loaders): CPU traces ask for three times ``min_slowdown`` (docs/evaluation/megascan.md).
 _STAGE_MARGIN = 2.0
 _STAGE_MARGIN_CPU = 3.0
 _MIN_PARTS = 2  # layer parts with GPU-paced samples on every compared rank, for a step to count
@@ -191,9 +191,9 @@ def _typical_layer_per_step(
 
     ``rank``'s side holds only the spans its GPU paced (its host's noise stays out). An other rank's part is
     the larger of the mean of the spans its GPU paced and the mean of all its spans: the stage a fault spares
-    is the one whose GPU idles for its host, so in a launch-bound pipeline it paced few spans (on 2 x H200, PP2,
-    another process copying memory on the last stage's GPU: 2-3 steps of 12 where both stages had GPU-paced
-    parts in common, the second stage's typical layer 2-3x the first's, and nothing named). All its spans are
+    is the one whose GPU idles for its host, so in a launch-bound pipeline it paced few spans (at PP2, another
+    process copying memory on the last stage's GPU left few steps where both stages had GPU-paced parts in
+    common, and nothing was named). All its spans are
     an upper bound of its GPU's time, so filling in with them can only hide a slowdown, not make one."""
     typical: dict[int, tuple[float, float]] = {}
     for step, own_parts in paced.get(rank, {}).items():

@@ -134,7 +134,7 @@ def host_in_step_suspects(context: DetectionContext) -> list[Suspect]:
     (``measure.host_waits_in_steps``: a callback that blocks before the step ends), by the rules of the host gaps
     between steps: against the peers of its stage (who also ended late), and against its own earlier steps.
 
-    The healthy level of that time is small (1.9 ms of a 208 ms step on one H100), so a relative excess says little;
+    The healthy level of that time is small (about 1% of a step), so a relative excess says little;
     a suspect must cost ``min_slowdown`` of the job's median step (a stall worth naming slows the job) and its
     ``slowdown`` is that share. Ranks already named ``host`` (between steps) are left out: one cause, one name."""
     traces, suspects = context.traces, context.suspects
@@ -169,8 +169,8 @@ def host_gap_suspects(context: DetectionContext) -> list[Suspect]:
     found = _peer_suspects(context, waits, context.min_impact_us, "host")
     found += cross_stage_wait_suspects(context, waits, min_slowdown * median_step_us)
     # Against its own history a host gap must cost min_slowdown of a step, as inside steps: with no peer to
-    # compare with, a gap 0.3 ms longer than before (0.6% of a 48 ms step: one of 10 clean fits on an H100
-    # whose rank had one CPU) is drift, not a slow host.
+    # compare with, a gap a fraction of a millisecond longer than before (under 1% of a step, seen in a
+    # clean fit whose rank had one CPU) is drift, not a slow host.
     history_bar_us = max(context.min_impact_us, min_slowdown * median_step_us)
     found += _history_suspects(context, waits, context.suspects + found, history_bar_us, "host")
     return _as_share_of_step(found, median_step_us)

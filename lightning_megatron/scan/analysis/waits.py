@@ -102,7 +102,7 @@ def host_waits_in_steps(traces: dict[int, RankTrace]) -> DataWaits:
     ``waited_during``: per rank and step, how long its stage peers (their median) were blocked in communication
     while its GPU waited for its host, on the aligned clock. ``synced`` sums every wait of the step, and at TP,
     where the peers meet in hundreds of collectives a step, which of them waits there swings by hundreds of
-    milliseconds from step to step (2 x H200, TP2 + SP: 95-720 ms); the waits that overlap the rank's own gaps
+    milliseconds from step to step (TP2 with sequence parallelism); the waits that overlap the rank's own gaps
     are the ones its host caused."""
     waits = DataWaits()
     gaps: dict[int, dict[int, list[tuple[float, float]]]] = {}

@@ -370,7 +370,7 @@ def generate_traces(
     ``slow_ranks`` {rank: compute factor} (``slow_fraction``: of the compute spans hit, at random;
     ``slow_step_fraction``: of the steps hit, at random; ``slow_from_step``: none before it; ``slow_part``, e.g.
     ``"backward mlp"``: only spans of that direction are slower, and with layer spans all of the excess is in
-    that layer part, as another process time-slicing the GPU did on 2x H200), ``slow_links`` {(src, dst): p2p
+    that layer part, as another process time-slicing the GPU does), ``slow_links`` {(src, dst): p2p
     transfer factor},
     ``layers_per_stage`` > 0 adds layer spans (``granularity="layer"``); ``gpu_queue`` writes the GPU
     recorder's ``enqueue_us``/``queued_us`` on compute spans (a GPU running behind a full queue), and

@@ -25,8 +25,8 @@ before the reference event; at the window's end an event is recorded and a secon
 it, on the same stream. The first anchor's *end* is the reference event's time, the second's *start* the end
 event's time (each within the µs the GPU takes between two queued commands). That holds only if the host
 queues the reference event before the first anchor ends; but the GPU, idle after the synchronize, starts the
-anchor as soon as it is launched, while CUPTI can hold the host inside that launch for 0.1–0.25 ms (measured on
-an H100: windows off by 160–250 µs). So the first anchor spins ~0.5 ms, longer than that; at the end a spin of
+anchor as soon as it is launched, while CUPTI can hold the host inside that launch for a few hundred µs (windows
+were off by that much). So the first anchor spins ~0.5 ms, longer than that; at the end a spin of
 the same length (``hold``, right before the end event: after every span, so in none of them) keeps the end
 event and the second anchor queued together when the GPU has caught up with the host. A linear map through
 these two points puts every record on the span clock and corrects any rate difference between the two clocks. How far

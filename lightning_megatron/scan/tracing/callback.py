@@ -116,11 +116,10 @@ class MegaScan(pl.Callback, StepListener):
             detection names ``compute`` only where the kernels themselves took longer, not where the GPU idled
             between them (a slow host, launch gaps). No effect on CPUs. Windows with a ``profile_steps`` step, or
             while another profiler session runs (``Trainer(profiler="pytorch")``), go without it.
-        gpu_busy_every: Measure busy time in every this many traced windows (1: all), to bound its cost: a
-            CUDA-activity session costs about 80 ms per window (measured on an H200: a 16-layer, hidden-2048 GPT's
-            median step period was 346 ms with every step's window profiled, 268 ms without; CUPTI's set-up and
-            tear-down), so the default, one window in 10 (with ``interval=5``: one step in 50), keeps it near
-            0.6% of that job's time.
+        gpu_busy_every: Measure busy time in every this many traced windows (1: all), to bound its cost: each
+            CUDA-activity session pays CUPTI's set-up and tear-down, tens of milliseconds per window, so the
+            default, one window in 10 (with ``interval=5``: one step in 50), keeps it to a fraction of a percent
+            of a job's time (the overhead measured: docs/evaluation/megascan.md).
         trace_replays: Whether a traced step that the strategy replays as a CUDA graph is traced as a replay (the
             graph's own events, ``scan.tracing.recorder``) or run eagerly. True (and None, the same): replays, at every
             layout, so that tracing leaves the job's steps as they are; an eager step in place of a replay can
