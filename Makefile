@@ -2,7 +2,7 @@
 #   make demo    install what is missing, tokenize the corpus if needed, train the tiny GPT (TP2 × PP2 on
 #                4 CPU processes) and print samples from it
 #   make test    install what is missing, then run the test suite
-#   make lint    ruff
+#   make lint    ruff, and commit subjects within 72 characters
 #   make docs    build the docs site (mkdocs-material, API reference from the docstrings) into ./site, strictly:
 #                a broken link or reference fails; `make docs-serve` serves it on 127.0.0.1:8000
 #   make webui   rebuild MegaScope's web UI (webui/, Node 20+) into lightning_megatron/scope/static
@@ -50,6 +50,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	bash .ci/commit_subjects
 
 # The docs build offline: no web fonts, no plugins that fetch at build time. The benchmark pages and the API
 # reference are generated from benchmarks/results/ and the package at every build (docs/gen_*.py).

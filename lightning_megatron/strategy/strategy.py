@@ -123,7 +123,7 @@ class MegatronAppStrategy(ParallelStrategy):
         cuda_graphs: Replay the training step (forwards, backwards, gradient reduction, loss) as one CUDA graph
             captured after two eager steps (:mod:`lightning_megatron.strategy.graphs`). GPUs, PP 1, bf16/fp32,
             fixed shapes; validation, and steps that MegaScope or a fault injector looks into, run eagerly (MegaScan
-            traces the replays of one-process fits; at TP/DP its traced steps run eagerly). ``None`` (default): on
+            traces the replays themselves). ``None`` (default): on
             for fits on one node without pipeline stages (one GPU, TP, DP) of modules that declare their step
             capturable (``GPTModule``), else off; a step that cannot be captured warns once and runs eagerly.
             ``True``: also across nodes, and such a step is an error.
