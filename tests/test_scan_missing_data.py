@@ -88,8 +88,9 @@ def test_aggregate_prints_each_warning_once_before_its_summary(
     both = captured.out + captured.err
     for message in ("truncated or damaged rank file", "no megascan.clock record for rank(s) 1", "no spans in"):
         assert both.count(message) == 1, (message, both)
-    warned = [line for line in captured.err.splitlines() if "megascan aggregate: warning:" in line]
-    assert len(warned) == 3 and all(line.startswith("megascan aggregate: warning:") for line in warned), both
+    warned = [line for line in captured.err.splitlines() if "scan aggregate: warning:" in line]
+    prefix = "lightning-megatron scan aggregate: warning:"  # the command line's one error style
+    assert len(warned) == 3 and all(line.startswith(prefix) for line in warned), both
     assert "None" not in captured.out, captured.out
     assert "residual clock skew not measured" in captured.out and "2/2 ranks" in captured.out
     merged = json.loads((tmp_path / "merged.json").read_text())
