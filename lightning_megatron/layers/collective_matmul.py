@@ -19,6 +19,8 @@ collective are kept referenced by :class:`Pending` until it is waited on.
 * :func:`matmul_reduce_scatter` — ``reduce_scatter(x @ rhs)``: chunk ``i`` of every rank's output shard is
   computed, then its reduce-scatter starts while chunk ``i + 1`` is computed.
 * :func:`matmul_all_reduce` — ``all_reduce(x @ rhs)``: the same with an all-reduce of each chunk of rows.
+
+:func:`all_gather_rows` is the unchunked all-gather that the layers without overlap use (sequence parallelism).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Pending", "all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter", "spans"]
+__all__ = ["Pending", "all_gather_matmul", "all_gather_rows", "matmul_all_reduce", "matmul_reduce_scatter", "spans"]
 
 
 class Pending:
@@ -44,6 +46,15 @@ class Pending:
         for work, _ in self._works:
             work.wait()
         self._works = []
+
+
+def all_gather_rows(input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """The sequence-parallel all-gather along the first dimension (with ``async_op``: ``(work, output)``)."""
+    shape = list(input.shape)
+    shape[0] *= dist.get_world_size(group)
+    out = torch.empty(shape, dtype=input.dtype, device=input.device)
+    work = dist.all_gather_into_tensor(out, input.contiguous(), group=group, async_op=async_op)
+    return (work, out) if async_op else out
 
 
 def spans(length: int, chunks: int) -> list[tuple[int, int]]:

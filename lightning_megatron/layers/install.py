@@ -2,9 +2,9 @@
 
 The contract: :func:`symmetric_ar_option` checks the strategy's ``symmetric_ar_type`` when the strategy is built;
 :class:`TensorParallelLayers` installs, for one fit, the weight-gradient split (``gradient_accumulation_fusion``,
-``layers.wgrad``), the overlapped collectives (``tp_comm_overlap``, ``layers.tp_overlap``) and the
-symmetric-memory all-reduce (``compat.symmetric_all_reduce``), and :meth:`~TensorParallelLayers.restore` undoes
-all three, so the model's layers are megatron-core's again after the fit (serving, generation, the next fit).
+``layers.wgrad``), the overlapped collectives (``tp_comm_overlap``, ``layers.tp_overlap``), the float8 GEMMs
+(``fp8_recipe``, ``layers.float8``) and the symmetric-memory all-reduce (``compat.symmetric_all_reduce``), and
+:meth:`~TensorParallelLayers.restore` undoes them all, so the model's layers are megatron-core's again after the fit (serving, generation, the next fit).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_megatron.compat import symmetric_all_reduce
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.layers.float8 import Float8Recipe
 from lightning_megatron.layers.tp_overlap import TPCommOverlap
 from lightning_megatron.layers.wgrad import SplitLinears, split_linears
 
@@ -69,10 +70,18 @@ class TensorParallelLayers:
         symmetric_ar_type: Optional[str],
         tp_group: Any,
         on_cpu: bool,
+        fp8_recipe: Optional[str] = None,
     ) -> None:
-        """Install what this fit asks for (each once, however many times Lightning sets the strategy up)."""
-        if (accumulate or overlap) and self._linears is None:
-            self._linears = split_linears(chunks, overlap=overlap, accumulate=accumulate)  # W inside B here
+        """Install what this fit asks for (each once, however many times Lightning sets the strategy up).
+
+        ``fp8_recipe``: torchao's recipe name, checked by ``layers.float8.float8_recipe_option`` (emulated on CPUs).
+        """
+        if (accumulate or overlap or fp8_recipe) and self._linears is None:
+            float8 = Float8Recipe(fp8_recipe, emulate=on_cpu, compile=not on_cpu) if fp8_recipe else None
+            # W inside B here
+            self._linears = split_linears(chunks, overlap=overlap, accumulate=accumulate, float8=float8)
+            if float8 is not None:
+                _announce_float8(float8, self._linears)
             if overlap and not self._linears.modules:
                 rank_zero_warn(
                     "`tp_comm_overlap=True` found no megatron-core ColumnParallelLinear/RowParallelLinear to overlap "
@@ -87,6 +96,11 @@ class TensorParallelLayers:
                 )
             self._all_reduce = symmetric_all_reduce.install(tp_group, symmetric_ar_type)
 
+    @property
+    def float8_layers(self) -> list[str]:
+        """The layers whose GEMMs run in float8 in this fit (names within their model chunk)."""
+        return list(self._linears.float8_modules) if self._linears is not None else []
+
     def restore(self) -> None:
         if self._linears is not None:
             self._linears.restore()
@@ -94,3 +108,21 @@ class TensorParallelLayers:
         if self._all_reduce is not None:
             self._all_reduce.restore()
             self._all_reduce = None
+
+
+def _announce_float8(float8: Float8Recipe, linears: Any) -> None:
+    """Say once which layers stay in bf16 (the output layer by design; others because of their shapes)."""
+    if not linears.float8_modules:
+        raise MegatronConfigError(
+            f"`fp8_recipe={float8.name!r}` found no megatron-core ColumnParallelLinear/RowParallelLinear to run in "
+            "float8 (Transformer Engine layers, or the model config's `gradient_accumulation_fusion`, which keeps "
+            "megatron-core's apex path). Use the local layer spec (`layer_spec='local'` or 'sdpa') or unset it."
+        )
+    shapes = {name: why for name, why in linears.kept_high_precision.items() if why != "the output layer"}
+    if shapes:
+        listed = "; ".join(f"{name}: {why}" for name, why in list(shapes.items())[:4])
+        rank_zero_warn(
+            f"`fp8_recipe={float8.name!r}`: {len(shapes)} linear layer(s) stay in bf16 ({listed}"
+            f"{'; ...' if len(shapes) > 4 else ''}). Choose hidden sizes that, divided by the tensor-parallel size, "
+            "are multiples of 16."
+        )

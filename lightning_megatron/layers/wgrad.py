@@ -42,6 +42,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from lightning_megatron.compat import megatron_linear, symmetric_all_reduce
+from lightning_megatron.layers.collective_matmul import all_gather_rows
+from lightning_megatron.layers.float8 import Float8Linear, Float8Recipe, float8_shape_problem
 from lightning_megatron.layers.tp_overlap import column_linear, row_forward
 from lightning_megatron.layers.wgrad_accumulate import weight_grad
 
@@ -55,7 +57,7 @@ class _SplitLinear(torch.autograd.Function):
         ctx.accumulate = accumulate
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
-        total_input = _gather(input, tp_group) if sequence_parallel else input
+        total_input = all_gather_rows(input, tp_group) if sequence_parallel else input
         output = torch.matmul(total_input, weight.t())
         return output + bias if bias is not None else output
 
@@ -67,7 +69,7 @@ class _SplitLinear(torch.autograd.Function):
         tp_group = ctx.tp_group
         gathering = None
         if ctx.sequence_parallel:
-            gathering, total_input = _gather(input, tp_group, async_op=True)
+            gathering, total_input = all_gather_rows(input, tp_group, async_op=True)
         else:
             total_input = input
         grad_input = grad_output.matmul(weight)
@@ -93,15 +95,6 @@ class _SplitLinear(torch.autograd.Function):
         return grad_input, placeholder, grad_bias, None, None, None, None
 
 
-def _gather(input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    """The sequence-parallel all-gather along the first dimension (with ``async_op``: ``(work, output)``)."""
-    shape = list(input.shape)
-    shape[0] *= dist.get_world_size(group)
-    out = torch.empty(shape, dtype=input.dtype, device=input.device)
-    work = dist.all_gather_into_tensor(out, input.contiguous(), group=group, async_op=async_op)
-    return (work, out) if async_op else out
-
-
 def _split_forward_impl(
     self: torch.nn.Module,
     input: torch.Tensor,
@@ -116,6 +109,7 @@ def _split_forward_impl(
     *,
     overlap: Any = None,
     accumulate: bool = True,
+    float8: Optional[Float8Recipe] = None,
 ) -> torch.Tensor:
     """Stands in for the layer's ``_forward_impl`` (megatron-core calls it with these keywords).
 
@@ -124,7 +118,8 @@ def _split_forward_impl(
     gradient also comes from the embedding, and the placeholder below would make megatron-core's DDP hook drop
     that part), and MegaScope's weight noise passes the parameter plus noise (a tensor without ``main_grad``,
     whose gradient must reach the parameter through the addition). ``overlap`` (bound by :func:`split_linears`):
-    a column-parallel layer's communication is overlapped (:mod:`.tp_overlap`).
+    a column-parallel layer's communication is overlapped (:mod:`.tp_overlap`). ``float8``: the layer's GEMMs in
+    float8 (:mod:`.float8`).
     """
     own = self._parameters.get("weight")
     if not weight.requires_grad or grad_output_buffer is not None or weight is not own:
@@ -140,6 +135,8 @@ def _split_forward_impl(
             wgrad_deferral_limit=wgrad_deferral_limit,
             tp_group=tp_group,
         )
+    if float8 is not None:
+        return Float8Linear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, accumulate, float8)
     if overlap is not None and isinstance(self, ColumnParallelLinear):
         return column_linear(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, overlap, accumulate)
     return _SplitLinear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, accumulate)
@@ -148,8 +145,15 @@ def _split_forward_impl(
 class SplitLinears:
     """The layers :func:`split_linears` changed; :meth:`restore` gives them megatron-core's backward back."""
 
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
+    def __init__(
+        self,
+        modules: list[torch.nn.Module],
+        float8_modules: Optional[list[str]] = None,
+        kept_high_precision: Optional[dict[str, str]] = None,
+    ) -> None:
         self.modules = modules
+        self.float8_modules = float8_modules or []  # names of the layers whose GEMMs run in float8
+        self.kept_high_precision = kept_high_precision or {}  # name: why it stays bf16 (with ``float8`` only)
 
     def restore(self) -> None:
         for module in self.modules:
@@ -157,28 +161,50 @@ class SplitLinears:
         self.modules = []
 
 
-def split_linears(chunks: Sequence[torch.nn.Module], overlap: Any = None, accumulate: bool = True) -> SplitLinears:
+def split_linears(
+    chunks: Sequence[torch.nn.Module],
+    overlap: Any = None,
+    accumulate: bool = True,
+    float8: Optional[Float8Recipe] = None,
+) -> SplitLinears:
     """Give every tensor-parallel linear layer of ``chunks`` (DDP-wrapped or not) the B/W-split backward.
 
     With ``overlap`` (a :class:`~lightning_megatron.layers.tp_overlap.TPCommOverlap`) their tensor-parallel
     communication is also overlapped with their GEMMs. ``accumulate=False``: outside a :func:`~.wgrad_accumulate.collecting` stash
     the weight gradient goes back through autograd as in megatron-core (no fused ``main_grad`` accumulation; for
-    ``tp_comm_overlap`` without ``gradient_accumulation_fusion``). A layer already changed (by an earlier call) is
+    ``tp_comm_overlap`` without ``gradient_accumulation_fusion``). ``float8``: the layers' GEMMs in float8 (not
+    with ``overlap``), except the output layer's (the logits stay bf16, as Transformer Engine keeps them) and, on
+    GPUs, layers whose shard ``torch._scaled_mm`` cannot take. A layer already changed (by an earlier call) is
     left as it is.
     """
-    modules = []
+    modules, float8_modules, kept = [], [], {}
     for chunk in chunks:
-        for module in chunk.modules():
+        outputs = {
+            id(m.output_layer)
+            for m in chunk.modules()
+            if isinstance(getattr(m, "output_layer", None), ColumnParallelLinear)
+        }
+        for name, module in chunk.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not megatron_linear.is_replaced(
                 module
             ):
                 if getattr(module.config, "gradient_accumulation_fusion", False):
                     continue  # apex's fused wgrad GEMM: keep megatron-core's path (not available without apex)
                 row_overlap = overlap is not None and isinstance(module, RowParallelLinear)
+                in_float8 = None
+                if float8 is not None:
+                    why = "the output layer" if id(module) in outputs else None
+                    if why is None and not float8.emulate:
+                        why = float8_shape_problem(module)
+                    if why is None:
+                        in_float8 = float8
+                        float8_modules.append(name)
+                    else:
+                        kept[name] = why
                 megatron_linear.replace(
                     module,
-                    functools.partial(_split_forward_impl, overlap=overlap, accumulate=accumulate),
+                    functools.partial(_split_forward_impl, overlap=overlap, accumulate=accumulate, float8=in_float8),
                     functools.partial(row_forward, overlap=overlap, accumulate=accumulate) if row_overlap else None,
                 )
                 modules.append(module)
-    return SplitLinears(modules)
+    return SplitLinears(modules, float8_modules, kept)

@@ -18,7 +18,7 @@ overlapped ones; with the handover here neither imports the other in a circle.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,6 +26,9 @@ import torch
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 __all__ = ["WeightGrad", "accumulate_weight_grad", "collecting", "fused_accumulation_status", "weight_grad"]
+
+# ``gemm(grad_output_2d, total_input_2d, out_dtype)``: ``grad_output_2d.t() @ total_input_2d`` in ``out_dtype``
+Gemm = Callable[[torch.Tensor, torch.Tensor, Optional[torch.dtype]], torch.Tensor]
 
 _STASH: Optional[list[WeightGrad]] = None  # where backwards put their weight gradients (None: compute them)
 # A module global, not thread-local: autograd runs CUDA backwards on its own device threads.
@@ -38,16 +41,22 @@ class WeightGrad:
     weight: torch.nn.Parameter
     grad_output: torch.Tensor
     total_input: torch.Tensor
+    gemm: Optional[Gemm] = None  # the layer's own weight-gradient GEMM (float8), or None: a plain matmul
 
     def run(self) -> None:
         with torch.no_grad():  # outside autograd's backward now: build no graph
             grad_output, total_input = prepare_input_tensors_for_wgrad_compute(self.grad_output, self.total_input)
-            accumulate_weight_grad(self.weight, grad_output, total_input)
+            accumulate_weight_grad(self.weight, grad_output, total_input, self.gemm)
         self.grad_output = self.total_input = None  # type: ignore[assignment]  # free them now
 
 
-def accumulate_weight_grad(weight: torch.nn.Parameter, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
+def accumulate_weight_grad(
+    weight: torch.nn.Parameter, grad_output: torch.Tensor, total_input: torch.Tensor, gemm: Optional[Gemm] = None
+) -> None:
     """Add ``grad_output.t() @ total_input`` (2-D views) to the weight's gradient.
+
+    ``gemm``: the layer's own GEMM (:mod:`.float8`'s), asked for an fp32 result where it is added to an fp32
+    ``main_grad`` (the float8 GEMM's fp32 accumulator, not rounded to bf16 first).
 
     Under megatron-core DDP with bf16/fp16 activations and an fp32 ``main_grad`` on a GPU, one GEMM accumulates
     straight into ``main_grad`` (``addmm`` with ``out_dtype``: fp32 accumulation and output, what apex's
@@ -56,6 +65,14 @@ def accumulate_weight_grad(weight: torch.nn.Parameter, grad_output: torch.Tensor
     activations' dtype, then ``main_grad.add_``; in fp32 that is bit-for-bit the unsplit backward.
     """
     main_grad = getattr(weight, "main_grad", None)
+    if gemm is not None:
+        if main_grad is not None:
+            main_grad.add_(gemm(grad_output, total_input, main_grad.dtype))
+        elif weight.grad is None:
+            weight.grad = gemm(grad_output, total_input, weight.dtype)
+        else:
+            weight.grad += gemm(grad_output, total_input, weight.dtype)
+        return
     if main_grad is not None and _fused_gemm_applies(grad_output, main_grad):
         try:
             torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
@@ -91,7 +108,11 @@ def _fused_gemm_applies(grad_output: torch.Tensor, main_grad: torch.Tensor) -> b
 
 
 def weight_grad(
-    weight: torch.nn.Parameter, grad_output: torch.Tensor, total_input: torch.Tensor, accumulate: bool = True
+    weight: torch.nn.Parameter,
+    grad_output: torch.Tensor,
+    total_input: torch.Tensor,
+    accumulate: bool = True,
+    gemm: Optional[Gemm] = None,
 ) -> Any:
     """A backward's weight gradient: computed now, or deferred into the :func:`collecting` stash.
 
@@ -99,11 +120,12 @@ def weight_grad(
     its hook drops (see the module docstring). With ``accumulate=False`` and no stash, the gradient itself, as
     megatron-core's backward returns it (its DDP hook adds it to ``main_grad``: no fused accumulation), unless this
     step already added one straight to ``main_grad`` (``grad_added_to_main_grad``: the hook would drop this one).
+    ``gemm``: the layer's weight-gradient GEMM when it is not a plain matmul (float8).
     """
     if not accumulate and _STASH is None and not getattr(weight, "grad_added_to_main_grad", False):
         grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
-        return grad_output.t().matmul(total_input)
-    deferred = WeightGrad(weight, grad_output.detach(), total_input.detach())
+        return gemm(grad_output, total_input, weight.dtype) if gemm else grad_output.t().matmul(total_input)
+    deferred = WeightGrad(weight, grad_output.detach(), total_input.detach(), gemm)
     if _STASH is None:
         deferred.run()
     else:

@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sync
 from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.layers.float8 import check_float8_precision, float8_recipe_option
 from lightning_megatron.layers.install import TensorParallelLayers, symmetric_ar_option
 from lightning_megatron.layers.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline import get_schedule
@@ -117,6 +118,10 @@ class MegatronAppStrategy(ParallelStrategy):
             ``gradient_accumulation_fusion``) on torch's symmetric memory instead of NCCL (GPUs of one node,
             TP > 1 without sequence parallelism; :mod:`lightning_megatron.compat.symmetric_all_reduce`).
             Unset: NCCL.
+        fp8_recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's recipes): the GEMMs of
+            every ``ColumnParallelLinear`` / ``RowParallelLinear`` but the output layer in float8, through torchao,
+            without Transformer Engine (:mod:`lightning_megatron.layers.float8`; needs ``precision="bf16-mixed"``
+            and the ``fp8`` extra; emulated on CPUs). Unset: bf16.
         ddp_bucket_size: Gradient bucket size in elements (megatron-core's default when unset).
         deallocate_pipeline_outputs: Free a stage's output activations once sent (keeps only the
             autograd graph); saves memory at no cost.
@@ -156,6 +161,7 @@ class MegatronAppStrategy(ParallelStrategy):
         tp_comm_overlap: bool = False,
         tp_comm_overlap_chunks: int = 2,
         symmetric_ar_type: Optional[str] = None,
+        fp8_recipe: Optional[str] = None,
         ddp_bucket_size: Optional[int] = None,
         deallocate_pipeline_outputs: bool = True,
         cuda_graphs: Optional[bool] = None,
@@ -206,6 +212,7 @@ class MegatronAppStrategy(ParallelStrategy):
         self._accumulation_fusion = bool(gradient_accumulation_fusion)  # resolved in setup_environment
         self.tp_comm_overlap = tp_comm_overlap_options(tp_comm_overlap, tp_comm_overlap_chunks, self.layout.tensor)
         self.symmetric_ar_type = symmetric_ar_option(symmetric_ar_type, self.layout.tensor, sequence_parallel)
+        self.fp8_recipe = float8_recipe_option(fp8_recipe, tp_comm_overlap=self.tp_comm_overlap is not None)
         self.tp_layers = TensorParallelLayers()  # installed for a fit, restored at teardown
         named_ddp = dict(
             grad_reduce_in_fp32=grad_reduce_in_fp32,
@@ -358,6 +365,7 @@ class MegatronAppStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         data_parallel = self.layout.data_parallel_size(self.world_size)  # raises before any collective
+        check_float8_precision(self.fp8_recipe, self.precision_plugin.params_dtype)
         self._graphs = resolve_cuda_graphs(
             self.cuda_graphs,
             module=self.lightning_module,
@@ -446,6 +454,7 @@ class MegatronAppStrategy(ParallelStrategy):
                 symmetric_ar_type=self.symmetric_ar_type,
                 tp_group=parallel_state.get_tensor_model_parallel_group(),
                 on_cpu=self.parallel.on_cpu,
+                fp8_recipe=self.fp8_recipe,
             )
         self._install_config_hooks()
         if fitting:
