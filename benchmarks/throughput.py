@@ -8,6 +8,25 @@
     python benchmarks/throughput.py --only gpt2-medium/1gpu --runners strategy-sdpa hf-bf16 --repeat 3 \
         --variants '{"": {}, "-eager": {"strategy_options": {"cuda_graphs": false}}}'  # alternated, medians
 
+FP8 (torchao float8 GEMMs, ``fp8_recipe``): the strategy in bf16, tensorwise and rowwise against the plain PyTorch
+peers, Llama 0.85B on one GPU, alternated over three rounds (six launches a round)::
+
+    python benchmarks/throughput.py --only llama-0.85b/1gpu --repeat 3 \
+        --runners strategy-sdpa hf-compile hf-fp8-tensorwise hf-fp8-rowwise \
+        --variants '{"": {}, "-fp8": {"strategy_options": {"fp8_recipe": "tensorwise"}},
+                     "-fp8-rowwise": {"strategy_options": {"fp8_recipe": "rowwise"}}}' \
+        --baseline strategy-sdpa hf-compile --out benchmarks/results/throughput/fp8_llama-0.85b.json
+
+and the 1.3B GPT at TP2 and at PP2 (two GPUs; the strategy alone: the peers are single-GPU)::
+
+    python benchmarks/throughput.py --only gpt-1.3b/tp2 gpt-1.3b/pp2 --repeat 3 --runners strategy-sdpa \
+        --variants '{"": {}, "-fp8": {"strategy_options": {"fp8_recipe": "tensorwise"}},
+                     "-fp8-rowwise": {"strategy_options": {"fp8_recipe": "rowwise"}}}' \
+        --baseline strategy-sdpa --out benchmarks/results/throughput/fp8_gpt-1.3b.json
+
+A launch too long for one sitting runs as ``--repeat 1`` several times with ``--append``: the rounds (and the
+alternation of their order) go on in the same ``--out``.
+
 Every case runs in its own processes (``torchrun --standalone``), one after another, so runs do not share
 memory or caches. Each reports the median step time over the measured steps (after warm-up), tokens per
 second, model TFLOP/s per GPU by Megatron-LM's formula (``num_floating_point_operations``), and the peak
@@ -18,7 +37,8 @@ arguments, ``TransformerConfig`` overrides, environment variables such as NCCL's
 over all cases N times, reversing the order every other round (GPU speed drifts between machines and over
 minutes: ratios are only fair within a launch, and alternation spreads the drift). A run then reports the medians
 over its rounds (each round kept under ``rounds``), and ``ratios_to_<baseline>`` the per-round TFLOP/s ratios to
-``--baseline`` (default ``hf-bf16``) with their median.
+each ``--baseline`` run (default ``hf-bf16``; a runner and its variant label, e.g. ``strategy-sdpa-fp8``) with their
+median.
 
 ``--fusion-ab``: the strategy runners alternate blocks of two steps without and with
 ``gradient_accumulation_fusion`` in one fit (the weight-gradient GEMM accumulating into fp32 ``main_grad``), so
@@ -38,6 +58,13 @@ Runners:
   (1 GPU only); vocabulary padded to a multiple of 128 like megatron-core's, so every runner does the same FLOPs.
 * ``hf-bf16``: the same with bf16 weights and optimizer states and no autocast: the fastest plain PyTorch
   loop (at the cost of bf16 weight updates).
+* ``hf-compile``, ``hf-fp8-<recipe>`` (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``): the plain PyTorch
+  peers of the FP8 runs, as torchtitan runs plain PyTorch: the ``hf`` model and loop (autocast bf16 over fp32
+  weights: torchtitan's FSDP2 mixed precision on one GPU), every transformer block compiled on its own
+  (``torch.compile``, as torchtitan compiles: one graph for all the identical blocks) and the loss compiled, and
+  for ``hf-fp8-<recipe>`` torchao's ``convert_to_float8_training`` with that recipe on every linear layer but the
+  output layer. ``hf-compile`` is the same without float8, the peers' bf16 baseline. Not in the default
+  ``--runners``. With ``--cpu-dry-run`` nothing is compiled and torchao emulates the float8 GEMMs.
 
 Models: GPT-2-medium and a Llama-style 0.85B (RMSNorm, SwiGLU, RoPE, GQA, no biases) on one GPU, the 1.3B GPT at
 TP2, PP2 and TP2 × PP2. The strategy runners use ``GPTModule(fuse_kernels=True)`` (the default: the fused
@@ -59,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from provenance import provenance  # noqa: E402  (benchmarks/ is the script's directory)
-from throughput_runners import MEASURED, WARMUP, is_llama, worker  # noqa: E402
+from throughput_runners import MEASURED, PEER_RECIPES, WARMUP, is_llama, worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -125,6 +152,19 @@ DRY_RUN_LLAMA = dict(
     layouts={"1gpu": (1, 1, 1)},
 )
 RUNNERS = ["strategy-local", "strategy-sdpa", "mcore-local", "mcore-sdpa", "hf", "hf-bf16"]
+# The plain PyTorch peers of the FP8 runs (torchtitan's way: compiled blocks, torchao float8), by name only.
+PEERS = ["hf-compile", *(f"hf-fp8-{recipe}" for recipe in PEER_RECIPES)]
+
+
+def _check_runners(runners: list[str]) -> None:
+    """Every ``transformers`` runner name is one this script has (a typo would otherwise fail in each worker)."""
+    unknown = [r for r in runners if r.startswith("hf") and r not in ("hf", "hf-bf16", *PEERS)]
+    unknown += [r for r in runners if not r.startswith(("hf", "strategy-", "mcore-"))]
+    if unknown:
+        raise SystemExit(
+            f"--runners: unknown {unknown}; use strategy-<layer spec>, mcore-<layer spec>, hf, hf-bf16 or one of "
+            f"{PEERS}"
+        )
 
 
 def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
@@ -287,11 +327,17 @@ def main() -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds over every case, the order reversed every other round"
     )
-    parser.add_argument("--baseline", default="hf-bf16", help="runner the per-round ratios are taken against")
+    parser.add_argument(
+        "--baseline",
+        nargs="+",
+        default=["hf-bf16"],
+        help="runs (runner and variant label, e.g. strategy-sdpa-fp8) the per-round ratios are taken against",
+    )
     args = parser.parse_args()
     if args.worker_spec:
         worker(json.loads(args.worker_spec))
         return 0
+    _check_runners(args.runners)
 
     import torch
 
@@ -299,17 +345,20 @@ def main() -> int:
     models = {"dry-run": DRY_RUN_MODEL, "dry-run-llama": DRY_RUN_LLAMA} if args.cpu_dry_run else MODELS
     available = 2 if args.cpu_dry_run else torch.cuda.device_count()
     report = {
-        "what": "training throughput, bf16, synthetic tokens; median step after warm-up",
+        "what": "training throughput, bf16 (float8 GEMMs where a run says so), synthetic tokens; median step after warm-up",
         **provenance(),
         "warmup_steps": WARMUP,
         "measured_steps": MEASURED,
         "models": models,
         "runs": {},
     }
-    if args.append and args.out.exists():
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    if args.append and args.out.exists():  # the rounds of the same runs go on (one launch need not run them all)
         previous = json.loads(args.out.read_text())
         report["runs"] = previous["runs"]
         report["commands"] = previous.get("commands", [previous["command"]]) + [report["command"]]
+        report.update({k: v for k, v in previous.items() if k.startswith("ratios_to_")})
+        rounds = {run: result.get("rounds", [result]) for run, result in previous["runs"].items()}
     options = {
         "accelerator": accelerator,
         "profile": str(args.profile) if args.profile else None,
@@ -319,7 +368,6 @@ def main() -> int:
         "fusion_ab": args.fusion_ab,
     }
     variants = args.variants or {args.label: {}}
-    rounds: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in models.items():
             for layout, (gpus, _, _) in model["layouts"].items():
@@ -331,7 +379,8 @@ def main() -> int:
                     if not (runner.startswith("hf") and gpus > 1)  # the transformers baseline is single-GPU
                     for label, extra in (variants.items() if not runner.startswith("hf") else [("", {})])
                 ]
-                for round_index in range(args.repeat):
+                done = len(rounds.get(f"{name}/{layout}/{cases[0][0]}{cases[0][1]}", [])) if cases else 0
+                for round_index in range(done, done + args.repeat):  # with --append: alternation goes on
                     by_run: dict[str, dict[str, Any]] = {}
                     for runner, label, case_options in cases if round_index % 2 == 0 else cases[::-1]:
                         result = _launch(name, layout, runner, model, Path(tmp), case_options, label)
@@ -345,11 +394,13 @@ def main() -> int:
                         args.out.parent.mkdir(parents=True, exist_ok=True)
                         args.out.write_text(json.dumps(report, indent=1))
                         print(f"{name:>12} {layout:>8} {runner + label:>28}  {_shown(result)}", flush=True)
-                    baseline = by_run.get(f"{name}/{layout}/{args.baseline}")
-                    if baseline and "error" not in baseline and args.repeat > 1:
-                        ratios = report.setdefault("ratios_to_" + args.baseline, {})
+                    for base in args.baseline:
+                        baseline = by_run.get(f"{name}/{layout}/{base}")
+                        if not baseline or "error" in baseline:
+                            continue
+                        ratios = report.setdefault("ratios_to_" + base, {})
                         for run, result in by_run.items():
-                            if "error" not in result and not run.endswith("/" + args.baseline):
+                            if "error" not in result and not run.endswith("/" + base):
                                 per_round = ratios.setdefault(run, {"per_round": []})["per_round"]
                                 per_round.append(result["model_tflops_per_gpu"] / baseline["model_tflops_per_gpu"])
                                 ratios[run]["median"] = statistics.median(per_round)

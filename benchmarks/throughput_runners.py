@@ -7,16 +7,18 @@ to launch, the medians and ratios, the report) is ``throughput.py``; this module
 
 * ``run_strategy``: ``Trainer(strategy=MegatronAppStrategy(...))`` with ``GPTModule``;
 * ``run_mcore``: the same model in a hand-written megatron-core loop;
-* ``run_hf``: ``transformers``' own model in a plain PyTorch loop (autocast, or bf16 weights for ``hf-bf16``).
+* ``run_hf``: ``transformers``' own model in a plain PyTorch loop (autocast, or bf16 weights for ``hf-bf16``), and
+  its compiled peers of the strategy's FP8 runs (``hf-compile``, ``hf-fp8-<recipe>``: :func:`_peer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 WARMUP, MEASURED = 5, 10
 PROFILED = 2  # extra steps after the measured ones, under torch.profiler, with --profile
@@ -307,14 +309,24 @@ def run_mcore(spec: dict[str, Any]) -> list[float]:
 
 
 def run_hf(spec: dict[str, Any]) -> list[float]:
+    """``transformers``' model in a plain PyTorch loop: ``hf``/``hf-bf16`` eager, the peers compiled (:func:`_peer`)."""
     import torch
 
-    m = spec["model"]
+    m, runner = spec["model"], spec["runner"]
     on_cpu = spec["accelerator"] == "cpu"
-    pure_bf16 = spec["runner"] == "hf-bf16"
+    pure_bf16 = runner == "hf-bf16"
+    peer = runner not in ("hf", "hf-bf16")
+    # torchao's Float8Linear casts its input to the *CUDA* autocast dtype only: under CPU autocast its input stays
+    # fp32 while its output is bf16, and rowwise_with_gw_hp's bf16 weight-gradient GEMM then mixes the two. The
+    # CPU dry run of the peers is fp32 (plumbing only); on GPUs they run under autocast like ``hf``.
+    autocast = not pure_bf16 and not (peer and on_cpu)
     device = torch.device("cpu" if on_cpu else "cuda")
-    model = _hf_model(m).to(device, torch.bfloat16 if pure_bf16 else torch.float32)
+    model = _peer(m, runner, on_cpu) if peer else _hf_model(m)
+    model = model.to(device, torch.bfloat16 if pure_bf16 else torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not on_cpu)
+    # The peers' loss: HF's causal-LM loss (next-token targets, fp32 logits, mean), compiled as torchtitan
+    # compiles its loss, so the fp32 copy of the logits is fused away as in the strategy's cross-entropy.
+    loss_fn = _causal_lm_loss if on_cpu or not peer else torch.compile(_causal_lm_loss)
     mbs, nmb, seq = m["micro_batch_size"], m["num_microbatches"], m["seq_length"]
     tokens = torch.randint(m["vocab_size"], (nmb, mbs, seq), device=device)
     times = []
@@ -325,8 +337,11 @@ def run_hf(spec: dict[str, Any]) -> list[float]:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         for micro in tokens:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not pure_bf16):
-                loss = model(input_ids=micro, labels=micro).loss / nmb
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                if peer:
+                    loss = loss_fn(model(input_ids=micro, use_cache=False).logits, micro) / nmb
+                else:
+                    loss = model(input_ids=micro, labels=micro).loss / nmb
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -334,6 +349,77 @@ def run_hf(spec: dict[str, Any]) -> list[float]:
         times.append(time.perf_counter() - start)
         profiler.step_ended(step)
     return times[WARMUP : WARMUP + MEASURED]
+
+
+PEER_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # hf-fp8-<recipe>: torchao's recipe names
+
+
+def peer_recipe(runner: str) -> Optional[str]:
+    """The float8 recipe of a peer runner (``hf-fp8-rowwise``: ``rowwise``), None for ``hf-compile``."""
+    return runner.removeprefix("hf-fp8-") if runner.startswith("hf-fp8-") else None
+
+
+def _peer(m: dict[str, Any], runner: str, on_cpu: bool) -> Any:
+    """The plain PyTorch peer of the strategy's FP8 runs, built as torchtitan builds its single-GPU runs.
+
+    torchtitan trains with FSDP2's mixed precision (fp32 parameters, bf16 compute); on one GPU autocast over fp32
+    weights is that, and the numerics of the strategy runners too (bf16 GEMMs, fp32 master weights and AdamW
+    states). Then, in torchtitan's order: the ``nn.Linear`` layers to ``Float8Linear`` with torchao's
+    ``convert_to_float8_training`` (all but the output layer, and only GEMMs whose sides are multiples of 16,
+    torchtitan's filter), and ``torch.compile`` per transformer block, which is what torchtitan compiles: the
+    blocks are identical, so one compiled graph serves every layer (a compile of seconds, not of the whole
+    model), and the glue around them (embedding, HF's mask and output plumbing) stays eager. ``hf-compile`` is
+    the same loop without float8: the peer's bf16 baseline.
+
+    On CPUs (``--cpu-dry-run``) nothing is compiled (inductor's CPU backend needs a C++ toolchain and minutes),
+    torchao emulates the float8 GEMMs (``emulate=True``: the same casts and scales, the GEMM in fp32) and the
+    loop runs in fp32 (:func:`run_hf` says why).
+    """
+    model = _hf_model(m)
+    _conv1d_to_linear(model)
+    recipe = peer_recipe(runner)
+    if recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=on_cpu)
+        convert_to_float8_training(model, config=config, module_filter_fn=_float8_filter)
+        converted = sum(type(module).__name__ == "Float8Linear" for module in model.modules())
+        if not converted:
+            raise RuntimeError(f"{runner}: convert_to_float8_training converted no linear layer")
+    if not on_cpu:
+        for block in model.model.layers if is_llama(m) else model.transformer.h:
+            block.compile()
+    return model
+
+
+def _float8_filter(module: Any, fqn: str) -> bool:
+    """torchtitan's ``module_filter_fn``: not the output layer (the logits feed a softmax over the vocabulary;
+    Transformer Engine and this strategy keep it bf16 too), and only GEMMs ``torch._scaled_mm`` takes."""
+    return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def _conv1d_to_linear(model: Any) -> None:
+    """GPT-2's ``Conv1D`` layers (``x @ W + b``, ``W`` stored in x out) as ``nn.Linear`` with the transposed weight:
+    the same GEMMs, and layers ``convert_to_float8_training`` knows (it swaps ``nn.Linear`` only). Llama has
+    none."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                linear = torch.nn.Linear(child.weight.shape[0], child.nf, bias=child.bias is not None)
+                linear.weight = torch.nn.Parameter(child.weight.detach().t().contiguous())
+                if child.bias is not None:
+                    linear.bias = child.bias
+                setattr(parent, name, linear)
+
+
+def _causal_lm_loss(logits: Any, tokens: Any) -> Any:
+    """``transformers``' causal-LM loss: each position predicts the next token, fp32 logits, mean."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 def _hf_model(m: dict[str, Any]) -> Any:
