@@ -337,8 +337,8 @@ def test_module_boundaries() -> None:
     """Detection imports only ``scan.analysis`` (the callback imports it, not the other way): ``detect`` measures,
     builds the context and runs the declared pipeline (``rules``); the rules import their shared helpers
     (``rules_common``), measuring, comparing and reporting, and not each other (the host-wait rules use the
-    cross-stage wait comparison); measuring reads ``format`` and fills ``report``'s per-rank summaries;
-    comparing and reporting import nothing."""
+    cross-stage wait comparison); the context times transfers bubble-free (``bubbles``); measuring reads
+    ``format`` and fills ``report``'s per-rank summaries; comparing and reporting import nothing."""
     rule = {"compare", "report", "rules_common"}
     expected = {
         "detect": {"bubbles", "measure", "report", "rules", "rules_common"},
@@ -352,7 +352,7 @@ def test_module_boundaries() -> None:
             "stage_rules",
             "wait_rules",
         },
-        "rules_common": {"compare", "gpu_measure", "measure", "report", "waits"},
+        "rules_common": {"bubbles", "compare", "gpu_measure", "measure", "report", "waits"},
         "attribution": rule | {"gpu_measure", "measure"},
         "compute_rules": rule,
         "cpu_rules": rule,

@@ -158,8 +158,9 @@ def attribute_busy(context: DetectionContext) -> list[Suspect]:
     per layer part; its own earlier steps): ``busy_excess``; only if the same spans in those windows were slower
     too (the span excess; else the windows missed the slowdown and the suspect is kept as named, with
     ``busy_window_span_excess``). At least ``min_slowdown`` of busy excess keeps it ``compute``, and so does as
-    much in any one sampled step against its peers (``busy_window_excess``: a GPU slowed in bursts; nothing on
-    the host lengthens a rank's own kernels). Below that, its excess is time the GPU did not run the rank's
+    much in any one sampled step against its peers, or across stages the typical layer of one sampled step against
+    the other stages' (``busy_window_excess``: a GPU slowed in bursts; nothing on the host lengthens a rank's own
+    kernels). Below that, its excess is time the GPU did not run the rank's
     kernels. On layer parts across stages, where the host queued the spans in under half their length
     (``queue_share``), the host was ahead: the GPU ran another process's work between them, and it stays
     ``compute``. Otherwise it becomes ``host`` where its host also took longer to queue the same work
@@ -204,7 +205,7 @@ def attribute_busy(context: DetectionContext) -> list[Suspect]:
             # slower too; fits without a GPU fault stayed within a few percent in each window).
             evidence["busy_window_excess"] = round(window, 4)
             evidence["why_compute"] = (
-                f"its GPU's kernels took {window:+.0%} longer than its peers' in one sampled step ({busy_excess:+.0%} "
+                f"its GPU's kernels took {window:+.0%} longer than on {basis} in one sampled step ({busy_excess:+.0%} "
                 "over all): its GPU was slowed part of the time (another process, bursts); a host cannot make its "
                 "own kernels longer"
             )
@@ -304,6 +305,7 @@ def _busy_comparison(
             found[2],
             spans[1] / spans[2] - 1.0,
             host[1] / spans[1] if host and spans[1] > 0 else None,
+            _largest_layer_excess(own.busy_per_step_part, [t.busy_per_step_part for t in others]),
         )
     peers = [busy[r] for r in groups.get(suspect.pp, []) if r != suspect.rank and r in busy]
     if not peers:
@@ -332,6 +334,31 @@ def _busy_comparison(
     return _BusyComparison(
         found[0], host[0] if host else None, "its peers per op", found[1], found[2], spans[0], window_excess=window
     )
+
+
+_MIN_WINDOW_PARTS = 2  # layer parts with busy time on every stage in a sampled step, to compare that step
+
+
+def _largest_layer_excess(
+    own: dict[int, dict[str, list[float]]], others: list[dict[int, dict[str, list[float]]]]
+) -> Optional[float]:
+    """The largest, over the sampled steps, of the typical layer's busy time (the sum over the layer parts every
+    stage has that step of each part's median) against the other stages' lower-half median, minus 1; None
+    without such a step. The across-stages ``window_excess``: a GPU shared with another process in bursts, or
+    whose kernels one window sampled while the other process ran (in a PP2 x VPP2 fit with another process on
+    the first stage's GPU every layer part's kernels took 8-9% longer than the other stage's in one window, 5-7%
+    in the other; 1-2% in the clean fit)."""
+    ratios = []
+    for step, parts in own.items():
+        theirs = [o.get(step, {}) for o in others]
+        shared = [p for p in parts if parts[p] and all(t.get(p) for t in theirs)]
+        if len(shared) < _MIN_WINDOW_PARTS:
+            continue
+        value = sum(statistics.median(parts[p]) for p in shared)
+        base = lower_half_median([sum(statistics.median(t[p]) for p in shared) for t in theirs])
+        if base > 0:
+            ratios.append(value / base - 1.0)
+    return max(ratios) if ratios else None
 
 
 def _largest_step_excess(own: dict[int, float], peers: list[dict[int, float]], steps: list[int]) -> Optional[float]:

@@ -51,7 +51,15 @@ from typing import Any, Optional, Union
 from lightning_megatron.scan.analysis.measure import RankTrace, keep_finished_steps, read_traces, step_of
 from lightning_megatron.scan.analysis.report import bubble_lines
 
-__all__ = ["P2PSplit", "measure_bubbles", "pipeline_bubbles", "register_cli", "theoretical_fraction"]
+__all__ = [
+    "MessageKey",
+    "P2PSplit",
+    "measure_bubbles",
+    "message_transfers",
+    "pipeline_bubbles",
+    "register_cli",
+    "theoretical_fraction",
+]
 
 # schedules whose receive spans mark a message's arrival (the rank waited for any message before, untraced)
 _ARRIVAL_SCHEDULES = ("dpp", "zb-h1")
@@ -97,13 +105,27 @@ def theoretical_fraction(
     return None, f"n/a (schedule {schedule!r})"
 
 
-def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = None) -> dict[str, Any]:
-    """The bubbles of ``traces`` (finished steps only: ``measure.keep_finished_steps``) as a JSON-ready dict:
-    ``stages`` (per pipeline stage), ``ranks`` (per rank and step), ``links`` (per sender → receiver) and the
-    schedule's theoretical fraction; an empty dict where the traces hold no pipeline messages."""
-    own: list[str] = []  # the bubbles' own warnings: in the result, and appended to ``notes``
+MessageKey = tuple[int, int, str, int, int]  # (sender, receiver, direction, step, seq): one pipeline message
+
+
+@dataclass
+class _Matched:
+    """Every p2p span of the traces, split (``splits``: per rank, in span order), and every message whose send and
+    receive were both traced (``received``: its link, step, receive span and own wait; ``messages``: its key and
+    receive span)."""
+
+    splits: dict[int, list[P2PSplit]]
+    received: list[tuple[tuple[int, int, str, Optional[int]], int, int, float]]
+    messages: list[tuple[MessageKey, int, int]]  # (key, receiver, index of its receive span)
+    unmatched: int
+    worst_bound: float
+
+
+def _match(traces: dict[int, RankTrace]) -> Optional[_Matched]:
+    """Pair every send with its receive and split every p2p span into bubble and transfer (module docstring);
+    None where the traces hold no pipeline messages."""
     per_rank = {rank: _RankP2P() for rank in traces}
-    posts: dict[tuple[int, int, str, int, int], dict[str, tuple[int, int, float, dict[str, Any]]]] = defaultdict(dict)
+    posts: dict[MessageKey, dict[str, tuple[int, int, float, dict[str, Any]]]] = defaultdict(dict)
     arrival = {rank for rank, t in traces.items() if t.info.get("schedule") in _ARRIVAL_SCHEDULES}
     for rank, trace in traces.items():
         previous_end = _previous_ends(trace) if rank in arrival else {}
@@ -124,14 +146,16 @@ def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = N
                     key = (src, dst, str(op.get("direction", "?")), int(step_of(s)), int(op.get("seq", 0)))  # type: ignore[arg-type]
                     posts[key][way] = (rank, index, start, op)
     if not posts:
-        return {}
+        return None
     received: list[tuple[tuple[int, int, str, Optional[int]], int, int, float]] = []  # (link, step, span, bubble)
+    messages: list[tuple[MessageKey, int, int]] = []
     waits: dict[tuple[int, int], list[tuple[float, float, bool]]] = defaultdict(list)
     unmatched = 0
     worst_bound = 0.0
     pipeline = max([int(t.info.get("pipeline_size") or 1) for t in traces.values()] + [1])
-    for (src, dst, direction, step, _seq), ends in posts.items():
-        if "send" not in ends or "recv" not in ends:
+    for key, ends in posts.items():
+        src, dst, direction, step, _seq = key
+        if "send" not in ends or "recv" not in ends or src not in traces or dst not in traces:
             unmatched += 1
             continue
         _, send_index, send_post, send_op = ends["send"]
@@ -148,17 +172,40 @@ def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = N
         if chunk is None and send_op.get("stage") is not None:  # MegaDPP names the producing global stage
             chunk = int(send_op["stage"]) // pipeline
         received.append(((src, dst, direction, None if chunk is None else int(chunk)), step, recv_index, bubble))
-    if unmatched:
-        own.append(f"bubbles: {unmatched} p2p message(s) without both ends traced, left out")
+        messages.append((key, dst, recv_index))
     splits = {rank: _split(rank, p2p, waits) for rank, p2p in per_rank.items()}
+    return _Matched(splits, received, messages, unmatched, worst_bound)
+
+
+def message_transfers(traces: dict[int, RankTrace]) -> dict[MessageKey, float]:
+    """Per message traced on both ends: the transfer (µs) of its receive span, the span's time less its bubble
+    (its longest wait for any of its peers: ``_split``). For ``measure.link_transfers``: a span holding several
+    operations waits for the latest of its peers, which is not this link's bytes."""
+    matched = _match(traces)
+    if matched is None:
+        return {}
+    return {key: matched.splits[dst][index].transfer for key, dst, index in matched.messages}
+
+
+def measure_bubbles(traces: dict[int, RankTrace], notes: Optional[list[str]] = None) -> dict[str, Any]:
+    """The bubbles of ``traces`` (finished steps only: ``measure.keep_finished_steps``) as a JSON-ready dict:
+    ``stages`` (per pipeline stage), ``ranks`` (per rank and step), ``links`` (per sender → receiver) and the
+    schedule's theoretical fraction; an empty dict where the traces hold no pipeline messages."""
+    own: list[str] = []  # the bubbles' own warnings: in the result, and appended to ``notes``
+    matched = _match(traces)
+    if matched is None:
+        return {}
+    if matched.unmatched:
+        own.append(f"bubbles: {matched.unmatched} p2p message(s) without both ends traced, left out")
+    splits = matched.splits
     # per link: the receive's own wait, and its span's transfer (in a span of several operations the bytes of any
     # of them may be what took the time; the span's waits for its other peers are bubbles, not this link's bytes)
     links: dict[tuple[int, int, str, Optional[int]], dict[int, list[tuple[float, float]]]] = defaultdict(
         lambda: defaultdict(list)
     )
-    for link, step, recv_index, bubble in received:
+    for link, step, recv_index, bubble in matched.received:
         links[link][step].append((bubble, splits[link[1]][recv_index].transfer))
-    found = _summarise(traces, splits, links, worst_bound, own)
+    found = _summarise(traces, splits, links, matched.worst_bound, own)
     if notes is not None:
         notes += own
     return found

@@ -46,7 +46,7 @@ class BusyTimes:
     """One rank's GPU busy time (µs) and host queueing time (µs, ``enqueue_us``): per step on the spans net compute
     sums (compute spans, or layer spans where it has none); per op (``forward chunk 0``); per layer part merged
     over layers (``forward attention``: the same work on every pipeline stage; GPU-paced spans only, as
-    ``layer_parts_per_step``). ``span_*``: the same spans' net lengths."""
+    ``layer_parts_per_step``), also per step. ``span_*``: the same spans' net lengths."""
 
     busy_per_step: dict[int, float] = field(default_factory=dict)
     enqueue_per_step: dict[int, float] = field(default_factory=dict)
@@ -58,6 +58,8 @@ class BusyTimes:
     span_per_step: dict[int, float] = field(default_factory=dict)
     span_per_key: dict[str, list[float]] = field(default_factory=dict)
     span_per_part: dict[str, list[float]] = field(default_factory=dict)
+    # per sampled step, per layer part (GPU-paced spans): one window's typical layer, across stages
+    busy_per_step_part: dict[int, dict[str, list[float]]] = field(default_factory=dict)
 
 
 def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
@@ -88,6 +90,8 @@ def busy_times(traces: dict[int, RankTrace]) -> dict[int, BusyTimes]:
                 key, kind = layer_part(s), "p"
             if kind:
                 lists["b" + kind][key].append(busy)
+                if kind == "p":
+                    times.busy_per_step_part.setdefault(step, {}).setdefault(key, []).append(busy)
                 lists["s" + kind][key].append(net)
                 if enqueue is not None:
                     lists["e" + kind][key].append(float(enqueue))

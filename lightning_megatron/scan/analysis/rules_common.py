@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional
 
+from lightning_megatron.scan.analysis.bubbles import message_transfers
 from lightning_megatron.scan.analysis.compare import Comparison, HistoryChange
 from lightning_megatron.scan.analysis.gpu_measure import BusyTimes, busy_times, host_pacing
 from lightning_megatron.scan.analysis.measure import (
@@ -142,8 +143,9 @@ class DetectionContext:
 
     @cached_property
     def transfers(self) -> dict[Link, list[Transfer]]:
-        """p2p transfers matched per link; the unmatched ones are noted when first read."""
-        return link_transfers(self.traces, self.notes)
+        """p2p transfers matched per link, bubble-free where a span holds several operations
+        (``measure.link_transfers``); the unmatched ones are noted when first read."""
+        return link_transfers(self.traces, self.notes, message_transfers(self.traces))
 
     @cached_property
     def data_waits(self) -> DataWaits:
