@@ -31,6 +31,7 @@ AREAS = {
     "megascan": "MegaScan: tracing overhead, detection of injected and outside faults, aggregation, traces.",
     "megascope": "MegaScope: probe and perturbation latency, its GPU tests.",
     "transport": "Tagged tensor transports (shm, tcp, ucx, NCCL), UCX phases and settings, NCCL collectives.",
+    "fp8": "FP8 training through torchao: throughput against bf16 and the plain PyTorch peer, GPU tests, profiles.",
     "kernels": "Fused kernels, the fused weight-gradient GEMM, symmetric-memory all-reduce.",
     "gpu_tests": "Outcomes of the GPU test runs: parity across layouts, CUDA graphs, optimizer, memory release.",
 }
