@@ -107,6 +107,21 @@ def test_compiled_casts_and_gemms_give_the_eager_bits() -> None:
     assert torch.equal(compiled.grad_weight(g, x, torch.float32), eager.grad_weight(g, x, torch.float32))
 
 
+def test_past_the_recompile_limit_the_gemms_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with more linear shapes than dynamo recompiles a function for: the further shapes run eagerly
+    instead of failing the fit (a full-graph compile raises there)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    compiled, eager = Float8Recipe("tensorwise", emulate=True, compile=True), Float8Recipe("tensorwise", emulate=True)
+    for rows, cols in ((16, 32), (24, 48), (8, 64)):
+        x = torch.randn(rows, cols, dtype=torch.bfloat16)
+        w = torch.randn(16, cols, dtype=torch.bfloat16)
+        assert torch.equal(compiled.output(x, w), eager.output(x, w))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
 def test_rowwise_recipes_stay_close_to_bf16(recipe: str) -> None:
     torch.manual_seed(1)

@@ -139,9 +139,13 @@ class Float8Recipe:
         self.config = ao.config.Float8LinearConfig.from_recipe_name(name)
         self.compiled = compile
         if compile:
-            self.output = torch.compile(self.output, fullgraph=True)  # type: ignore[method-assign]
-            self.grad_input = torch.compile(self.grad_input, fullgraph=True)  # type: ignore[method-assign]
-            self.grad_weight = torch.compile(self.grad_weight, fullgraph=True)  # type: ignore[method-assign]
+            # Not ``fullgraph=True``: each GEMM meets every layer's shapes, dtypes and layouts, and past dynamo's
+            # recompile limit (8 variants of a function) a full-graph compile is a hard error, where this one runs
+            # the further variants eagerly (slower, correct). A 2-layer Llama-style model already made 8 variants
+            # of one cast function on a CPU.
+            self.output = torch.compile(self.output)  # type: ignore[method-assign]
+            self.grad_input = torch.compile(self.grad_input)  # type: ignore[method-assign]
+            self.grad_weight = torch.compile(self.grad_weight)  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return f"Float8Recipe({self.name!r}, emulate={self.emulate}, compile={self.compiled})"
