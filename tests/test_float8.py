@@ -71,6 +71,12 @@ def test_emulation_is_the_scaled_mm_arithmetic() -> None:
     # fp32 sums in another order: within 1e-5 of the largest element (small elements come from cancellation)
     torch.testing.assert_close(grad_weight, want_grad_weight, rtol=0, atol=1e-5 * float(want_grad_weight.abs().max()))
 
+    # the tensorwise layers cast each operand once, into both layouts: the same bits and scales
+    for tensor, (want_q, want_scale), dtype in ((x, (xq, xs), torch.float8_e4m3fn), (g, (gq, gs), torch.float8_e5m2)):
+        data, data_t, scale = recipe.quantize(tensor, dtype)
+        assert torch.equal(data.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+        assert torch.equal(data_t.view(torch.uint8), want_q.t().view(torch.uint8)) and data_t.is_contiguous()
+
     exact = (x.float() @ w.float().t()).to(torch.bfloat16)
     assert not torch.equal(out, exact), "the float8 GEMM gave the bf16 result: nothing was quantised"
     assert (out.float() - exact.float()).abs().max() < 0.1 * exact.float().abs().max()

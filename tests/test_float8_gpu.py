@@ -109,6 +109,24 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+def test_one_cast_per_operand_gives_torchaos_bits() -> None:
+    """The tensorwise layers' single cast (``quantize``; its pointwise part compiled) against torchao's own."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from lightning_megatron.layers.float8 import Float8Recipe
+
+    recipe = Float8Recipe("tensorwise", emulate=False, compile=True)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for shape, dtype in (((8192, 2048), torch.float8_e4m3fn), ((4096, 5632), torch.float8_e5m2)):
+        x = (torch.randn(*shape, device="cuda", generator=g) * 7).to(torch.bfloat16)
+        data, data_t, scale = recipe.quantize(x, dtype)
+        theirs = hp_tensor_to_float8_dynamic(x, dtype, LinearMMConfig())
+        assert torch.equal(scale, theirs._scale)
+        assert torch.equal(data.view(torch.uint8), theirs._data.view(torch.uint8))
+        assert torch.equal(data_t.view(torch.uint8), theirs._data.t().contiguous().view(torch.uint8))
+
+
 def test_float8_fit_is_captured_and_replays_the_eager_losses(tmp_path: Path) -> None:
     fits = _fits(
         {

@@ -138,14 +138,18 @@ class Float8Recipe:
         self.emulate = emulate
         self.config = ao.config.Float8LinearConfig.from_recipe_name(name)
         self.compiled = compile
+        self.casts_once = name == "tensorwise"  # every operand has one cast for all its GEMMs (see Float8Linear)
         if compile:
             # Not ``fullgraph=True``: each GEMM meets every layer's shapes, dtypes and layouts, and past dynamo's
             # recompile limit (8 variants of a function) a full-graph compile is a hard error, where this one runs
-            # the further variants eagerly (slower, correct). A 2-layer Llama-style model already made 8 variants
-            # of one cast function on a CPU.
+            # the further variants eagerly (slower, correct). With ``fullgraph=True`` one cast function shared by
+            # every operand made 8 variants on a 2-layer Llama-style model on a CPU (3 with ``dynamic=True`` and
+            # parameters detached), and failed at the Llama shape on an H200.
             self.output = torch.compile(self.output)  # type: ignore[method-assign]
             self.grad_input = torch.compile(self.grad_input)  # type: ignore[method-assign]
             self.grad_weight = torch.compile(self.grad_weight)  # type: ignore[method-assign]
+            # one graph for every shape (each layer's input, weight and gradient meet this one function)
+            self._scale_and_cast = torch.compile(self._scale_and_cast, dynamic=True)  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return f"Float8Recipe({self.name!r}, emulate={self.emulate}, compile={self.compiled})"
@@ -165,6 +169,45 @@ class Float8Recipe:
             round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
         )
         return ao.utils.to_fp8_saturated(tensor.to(torch.float32) * scale, cast_config.target_dtype), scale
+
+    def quantize(
+        self, tensor_2d: torch.Tensor, float8_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One tensorwise cast of ``tensor_2d`` for all the GEMMs it takes part in: ``(data, data.t() stored
+        row-major, scale)``, the transposed copy written by the same pass (``_scaled_mm`` wants its first operand
+        row-major and its second column-major, and each operand is used both ways across forward and backward).
+
+        The absolute maximum is one reduction kernel (``vector_norm(inf)``; compiled, the same reduction ran at a
+        fifth of the memory bandwidth), the rest torchao's arithmetic (``amax_to_scale``, ``to_fp8_saturated``):
+        the same bits as its ``hp_tensor_to_float8_dynamic``.
+        """
+        tensor_2d = tensor_2d.detach()  # a parameter and a plain tensor would be two compiled variants
+        amax = torch.linalg.vector_norm(tensor_2d, ord=float("inf"), dtype=torch.float32)
+        return self._scale_and_cast(tensor_2d, amax, float8_dtype)
+
+    def _scale_and_cast(self, tensor_2d: torch.Tensor, amax: torch.Tensor, float8_dtype: torch.dtype) -> Any:
+        ao = self._ao
+        scale = ao.utils.amax_to_scale(amax, float8_dtype)
+        data = ao.utils.to_fp8_saturated(tensor_2d.to(torch.float32) * scale, float8_dtype)
+        return data, data.t().contiguous(), scale
+
+    def scaled_mm(self, a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+        """``a @ b`` of float8 operands already laid out for ``_scaled_mm`` (public name of :meth:`_mm`)."""
+        return self._mm(a, b, out_dtype, fast_accum)
+
+    def grad_weight_cast(
+        self,
+        grad_output_t: torch.Tensor,
+        input_t: torch.Tensor,
+        out_dtype: Optional[torch.dtype] = None,
+        *,
+        grad_output_scale: torch.Tensor,
+        input_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """The weight gradient from operands :meth:`quantize` cast already (both transposed copies)."""
+        fast = self.config.gemm_config_grad_weight.use_fast_accum
+        out_dtype = out_dtype or torch.bfloat16
+        return self._mm((grad_output_t, grad_output_scale), (input_t.t(), input_scale), out_dtype, fast)
 
     def _mm(self, a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
         """``a @ b`` of two float8 operands, dequantised by their scales, in ``out_dtype``."""
@@ -225,25 +268,40 @@ def _transposed(operand: Operand) -> Operand:
 class Float8Linear(torch.autograd.Function):
     """A tensor-parallel linear layer's forward and backward with float8 GEMMs (module docstring).
 
-    Each GEMM casts its operands as the recipe says, as torchao's ``Float8Linear`` does: the input is cast in the
-    forward and again for the weight gradient, the output gradient for each of its two GEMMs, the weight for
-    each of its two. For ``tensorwise`` those are the same tensors with the same scales, so one cast per operand
-    would do; that saving is not taken here yet.
+    Where the recipe casts each operand the same way for all its GEMMs (``tensorwise``: one scale per tensor, the
+    same float8 type), each is cast once: the input and the weight in the forward, the output gradient in the
+    backward, each into both layouts its GEMMs need, and the forward keeps the float8 input (and weight) for the
+    backward instead of the bf16 ones: a third of the casts torchao's ``Float8Linear`` runs, half the memory of
+    the saved input, and, under sequence parallelism, no second all-gather in the backward. torchao casts the
+    same tensors with the same scales again, so the numbers are the same. Other recipes cast per GEMM (rowwise
+    scales run along different axes for different GEMMs) through :meth:`Float8Recipe.output` and friends.
     """
 
     @staticmethod
     def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, accumulate, recipe):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(input, weight)
         ctx.accumulate, ctx.recipe = accumulate, recipe
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         total_input = all_gather_rows(input, tp_group) if sequence_parallel else input
-        output = recipe.output(total_input.reshape(-1, total_input.shape[-1]), weight)
+        input_2d = total_input.reshape(-1, total_input.shape[-1])
+        if recipe.casts_once:
+            c = recipe.config
+            x, x_t, x_scale = recipe.quantize(input_2d, c.cast_config_input.target_dtype)
+            w, w_t, w_scale = recipe.quantize(weight, c.cast_config_weight.target_dtype)
+            fast = c.gemm_config_output.use_fast_accum
+            output = recipe.scaled_mm((x, x_scale), (w.t(), w_scale), input_2d.dtype, fast)
+            ctx.save_for_backward(x_t, x_scale, w_t, w_scale, weight)
+            ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
+        else:
+            ctx.save_for_backward(input, weight)
+            output = recipe.output(input_2d, weight)
         output = output.reshape(*total_input.shape[:-1], output.shape[-1])
         return output + bias if bias is not None else output
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        if ctx.recipe.casts_once:
+            return Float8Linear._backward_from_casts(ctx, grad_output)
         input, weight = ctx.saved_tensors
         tp_group, recipe = ctx.tp_group, ctx.recipe
         gathering = None
@@ -264,6 +322,29 @@ class Float8Linear(torch.autograd.Function):
             reducing = dist.all_reduce(grad_input, group=tp_group, async_op=True)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
         placeholder = weight_grad(weight, grad_output, total_input, ctx.accumulate, gemm=recipe.grad_weight)
+        if reducing is not None:
+            reducing.wait()
+        return grad_input, placeholder, grad_bias, None, None, None, None, None
+
+    @staticmethod
+    def _backward_from_casts(ctx, grad_output):  # noqa: ANN001, ANN205
+        x_t, x_scale, w_t, w_scale, weight = ctx.saved_tensors
+        recipe, tp_group, c = ctx.recipe, ctx.tp_group, ctx.recipe.config
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        g, g_t, g_scale = recipe.quantize(grad_output_2d, c.cast_config_grad_output.target_dtype)
+        fast = c.gemm_config_grad_input.use_fast_accum
+        grad_input = recipe.scaled_mm((g, g_scale), (w_t.t(), w_scale), grad_output.dtype, fast)
+        grad_input = grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
+        reducing = None
+        if ctx.sequence_parallel:
+            sub_grad_input = torch.empty(ctx.input_shape, dtype=ctx.input_dtype, device=grad_output.device)
+            reducing = dist.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group, async_op=True)
+            grad_input = sub_grad_input
+        elif ctx.allreduce_dgrad:
+            reducing = dist.all_reduce(grad_input, group=tp_group, async_op=True)
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+        gemm = functools.partial(recipe.grad_weight_cast, grad_output_scale=g_scale, input_scale=x_scale)
+        placeholder = weight_grad(weight, g_t, x_t, ctx.accumulate, gemm=gemm)
         if reducing is not None:
             reducing.wait()
         return grad_input, placeholder, grad_bias, None, None, None, None, None
