@@ -24,7 +24,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -65,20 +65,26 @@ class _HandOver:
     """The output for one input may have been computed already: :func:`residual_norm` in the op before the
     norm (``kernels.layers.ResidualNormBDA``) computes it with the residual add and hands it over. The norm
     takes it only for that very input tensor; any other input is normalized as usual (and the hand-over
-    dropped), so a layer that changes the tensor in between stays correct, only unfused."""
+    dropped), so a layer that changes the tensor in between stays correct, only unfused.
 
-    _handed_over: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    And only while that input's autograd node is still the one the output was computed from: activation
+    recomputation (``GPTModule(recompute_granularity="full")``) runs a checkpointed layer's forward without a
+    graph of its input, then returns that very output tensor with a new node (the checkpoint's). The norm after
+    the checkpoint (the next layer's outside it, or the final norm) then sees the very input, but an output whose
+    graph does not reach the checkpoint: taking it would cut the gradient of every layer before it."""
+
+    _handed_over: Optional[tuple[torch.Tensor, torch.Tensor, Any]] = None
     hand_overs_taken = 0  # counters, to check that the fusion happens (tests, debugging)
     hand_overs_missed = 0
 
     def hand_over(self, input: torch.Tensor, output: torch.Tensor) -> None:
-        self._handed_over = (input, output)
+        self._handed_over = (input, output, input.grad_fn)
 
     def _take(self, input: torch.Tensor) -> Optional[torch.Tensor]:
         handed, self._handed_over = self._handed_over, None
         if handed is None:
             return None
-        if handed[0] is input:
+        if handed[0] is input and input.grad_fn is handed[2]:
             self.hand_overs_taken += 1
             return handed[1]
         self.hand_overs_missed += 1

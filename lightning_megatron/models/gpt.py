@@ -20,6 +20,12 @@ from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entrop
 from lightning_megatron.models.generation import Generation, Prompts, generate
 from lightning_megatron.models.init import init_split_invariant_
 from lightning_megatron.models.module import MegatronLightningModule
+from lightning_megatron.models.recompute import (
+    RecomputeGranularity,
+    RecomputeMethod,
+    check_recompute,
+    check_recompute_layout,
+)
 from lightning_megatron.models.specs import LayerSpecName, gpt_block_spec
 from lightning_megatron.strategy.parallel import StageSpec
 from lightning_megatron.strategy.step import LossFn
@@ -126,8 +132,18 @@ class GPTModule(MegatronLightningModule):
             (``kernels.norms.residual_norm``): the forward writes the residual sum and the normalized output in
             one pass; the backward adds the residual gradient, and sums the bias gradient, inside the norm's
             backward kernel.
+        recompute_granularity, recompute_method, recompute_num_layers: Activation recomputation, megatron-core's
+            fields (``models.recompute``; docs/guides/performance.md). ``"full"`` keeps only the input of each
+            checkpointed group of layers and runs the group's forward again in the backward (about one more
+            forward per step, for most of the layers' activation memory); it needs ``recompute_method``:
+            ``"uniform"`` checkpoints every group of ``recompute_num_layers`` layers of each pipeline stage (or
+            virtual stage), ``"block"`` the first ``recompute_num_layers`` layers of each and keeps the rest.
+            ``"selective"`` (no method, no count) recomputes core attention only, which saves the
+            ``[seq, seq]`` attention matrix of ``layer_spec="local"``; under ``"sdpa"`` it saves almost nothing
+            (a warning). ``None`` (default): keep every activation.
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
-            ``{"recompute_granularity": "selective"}``), applied last; unknown names are an error.
+            ``{"recompute_modules": ["core_attn", "mlp"]}``), applied last; unknown names are an error, and so
+            are the three recompute fields above (pass them as arguments).
         split_invariant_init: Initialize so every parallel layout starts from the same weights.
         lr, min_lr, warmup_steps, weight_decay, betas, eps: AdamW with linear warmup and cosine
             decay to ``min_lr`` at ``trainer.max_steps``; no weight decay on biases and norms.
@@ -164,6 +180,9 @@ class GPTModule(MegatronLightningModule):
         fused_norms: Optional[bool] = None,
         fused_bias_grad: Optional[bool] = None,
         fused_residual_norm: Optional[bool] = None,
+        recompute_granularity: Optional[RecomputeGranularity] = None,
+        recompute_method: Optional[RecomputeMethod] = None,
+        recompute_num_layers: Optional[int] = None,
         transformer_config_overrides: Optional[dict[str, Any]] = None,
         split_invariant_init: bool = True,
         init_seed: int = 1234,
@@ -176,6 +195,15 @@ class GPTModule(MegatronLightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # Checked here, in the process that builds the module, before any rank starts; the layout's part later.
+        self._recompute = check_recompute(
+            recompute_granularity,
+            recompute_method,
+            recompute_num_layers,
+            total_layers=num_layers,
+            layer_spec=layer_spec,
+            overrides=transformer_config_overrides,
+        )
         self._config: Optional[TransformerConfig] = None
 
     @property
@@ -225,7 +253,11 @@ class GPTModule(MegatronLightningModule):
             # One after the other (not as keywords of one call): an override may name a fused field, and wins.
             fields.update(self.parallel.config_kwargs())
             fields.update({} if self.parallel.on_cpu else fused)
+            fields.update(self._recompute)
             fields.update(overrides)
+            layout = self.parallel.layout
+            where = "virtual pipeline stage" if layout.virtual_pipeline else "pipeline stage"
+            check_recompute_layout(self._recompute, hp.num_layers // (layout.pipeline * layout.num_chunks), where)
             if fields.get("apply_rope_fusion"):
                 rope_compat.install()
             self._config = TransformerConfig(**fields)
@@ -252,7 +284,12 @@ class GPTModule(MegatronLightningModule):
             vp_stage=stage.vp_stage,
         )
         model.single_pass_cross_entropy = self._single_pass_cross_entropy()
-        if self._fused_layer_kernels()["fused_residual_norm"] or self.hparams.layer_spec.endswith("+fused"):
+        fused_residual_norm = self._fused_layer_kernels()["fused_residual_norm"] or self.hparams.layer_spec.endswith(
+            "+fused"
+        )
+        # Not under full recomputation: most links would cross a checkpoint, where the norm cannot take the
+        # hand-over (kernels.norms), and each layer's recompute would leave one for the next layer to keep.
+        if fused_residual_norm and self._recompute.get("recompute_granularity") != "full":
             from lightning_megatron.kernels.layers import link_residual_norms
 
             link_residual_norms(model)  # each layer's MLP bias-dropout-add with the norm after it
