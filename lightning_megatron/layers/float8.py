@@ -313,13 +313,7 @@ class Float8Linear(torch.autograd.Function):
         grad_input = recipe.grad_input(grad_output_2d, weight).reshape(*grad_output.shape[:-1], weight.shape[1])
         if gathering is not None:
             gathering.wait()
-        reducing = None
-        if ctx.sequence_parallel:
-            sub_grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-            reducing = dist.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group, async_op=True)
-            grad_input = sub_grad_input
-        elif ctx.allreduce_dgrad:
-            reducing = dist.all_reduce(grad_input, group=tp_group, async_op=True)
+        grad_input, reducing = _start_reduction(ctx, grad_input, input.shape, input.dtype)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
         placeholder = weight_grad(weight, grad_output, total_input, ctx.accumulate, gemm=recipe.grad_weight)
         if reducing is not None:
@@ -329,22 +323,27 @@ class Float8Linear(torch.autograd.Function):
     @staticmethod
     def _backward_from_casts(ctx, grad_output):  # noqa: ANN001, ANN205
         x_t, x_scale, w_t, w_scale, weight = ctx.saved_tensors
-        recipe, tp_group, c = ctx.recipe, ctx.tp_group, ctx.recipe.config
+        recipe, c = ctx.recipe, ctx.recipe.config
         grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
         g, g_t, g_scale = recipe.quantize(grad_output_2d, c.cast_config_grad_output.target_dtype)
         fast = c.gemm_config_grad_input.use_fast_accum
         grad_input = recipe.scaled_mm((g, g_scale), (w_t.t(), w_scale), grad_output.dtype, fast)
         grad_input = grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
-        reducing = None
-        if ctx.sequence_parallel:
-            sub_grad_input = torch.empty(ctx.input_shape, dtype=ctx.input_dtype, device=grad_output.device)
-            reducing = dist.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group, async_op=True)
-            grad_input = sub_grad_input
-        elif ctx.allreduce_dgrad:
-            reducing = dist.all_reduce(grad_input, group=tp_group, async_op=True)
+        grad_input, reducing = _start_reduction(ctx, grad_input, ctx.input_shape, ctx.input_dtype)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
         gemm = functools.partial(recipe.grad_weight_cast, grad_output_scale=g_scale, input_scale=x_scale)
         placeholder = weight_grad(weight, g_t, x_t, ctx.accumulate, gemm=gemm)
         if reducing is not None:
             reducing.wait()
         return grad_input, placeholder, grad_bias, None, None, None, None, None
+
+
+def _start_reduction(ctx: Any, grad_input: torch.Tensor, input_shape: Any, input_dtype: torch.dtype) -> Any:
+    """Start the input gradient's tensor-parallel reduction (reduce-scatter to the layer's sequence-parallel
+    input shape, or all-reduce), to run under the weight-gradient GEMM: ``(grad_input, work or None)``."""
+    if ctx.sequence_parallel:
+        local = torch.empty(input_shape, dtype=input_dtype, device=grad_input.device)
+        return local, dist.reduce_scatter_tensor(local, grad_input, group=ctx.tp_group, async_op=True)
+    if ctx.allreduce_dgrad:
+        return grad_input, dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+    return grad_input, None
