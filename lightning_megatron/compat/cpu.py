@@ -8,7 +8,9 @@ touches lives on the CPU. Measured on megatron-core 0.16.1 with a CPU-only torch
 * the tensor-parallel RNG tracker saves and restores *CUDA* RNG states;
 * the schedules, gradient clipping and the optimizers create tensors with ``device="cuda"``;
 * the optimizers and the clip-grad code assert ``tensor.type() == "torch.cuda.FloatTensor"``;
-* DDP and the p2p code ask for streams, events and ``torch.cuda.synchronize()``.
+* DDP and the p2p code ask for streams, events and ``torch.cuda.synchronize()``;
+* the rotary embedding's context-parallel slice (``get_pos_emb_on_this_cp_rank``) makes its index tensor with
+  ``pin_memory=True``, which needs an accelerator.
 
 ``apply()`` redirects each of these to the CPU, so that megatron-core's own schedules, DDP, optimizers
 and dist_checkpointing run unchanged on gloo. The strategy calls it only for CPU runs, in a process
@@ -77,7 +79,8 @@ def _to_cpu_device(device: Any) -> Any:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` to the CPU and reports CPU tensors as ``torch.cuda.*`` types.
+    """Rewrites ``device="cuda"`` to the CPU, drops ``pin_memory=True`` (no pinned allocator without an accelerator)
+    and reports CPU tensors as ``torch.cuda.*`` types.
 
     The type answer only exists to satisfy megatron-core's ``tensor.type()`` assertions; tensors keep
     their real CPU storage and dtype.
@@ -92,6 +95,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs = dict(kwargs, device=_to_cpu_device(kwargs["device"]))
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu_device(args[1]), *args[2:])
         return func(*args, **kwargs)

@@ -51,7 +51,8 @@ PATCHES: tuple[Patch, ...] = (
         scope="process",
         why="megatron-core assumes CUDA for buffers, streams, events, RNG states and synchronisation even when every "
         "tensor is on the CPU; CPU runs redirect torch.cuda's runtime (current_device, synchronize, streams, events, "
-        "empty_cache, RNG state, manual_seed) to no-ops or the CPU, plus a torch-function mode for device='cuda'",
+        "empty_cache, RNG state, manual_seed) to no-ops or the CPU, plus a torch-function mode for device='cuda' (which "
+        "also drops pin_memory=True, as context parallelism's RoPE slice asks)",
         restored="never: CPU-only processes in which no GPU is visible (apply() refuses otherwise)",
         tested=f"{_MCORE}, torch 2.13 (CPU)",
         covered_by="tests/test_training.py",

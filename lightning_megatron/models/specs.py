@@ -96,6 +96,11 @@ def gpt_block_spec(
         raise MegatronConfigError(
             f"layer_spec={name!r} is not available; choose from: 'local', 'sdpa', 'te', 'local+fused', 'sdpa+fused'."
         )
+    if name == "local" and config.context_parallel_size > 1:
+        raise MegatronConfigError(
+            f"context_parallel_size={config.context_parallel_size} needs layer_spec='sdpa' (ring attention over "
+            "SDPA); megatron-core's local attention has no context parallelism."
+        )
     if fused_residual_norm and not fused_norms:
         raise MegatronConfigError(
             "fused_residual_norm=True needs fused_norms=True (the pre-MLP norm takes the fused op's output)."

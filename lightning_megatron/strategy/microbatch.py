@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.context.split import split_sequence
 from lightning_megatron.errors import MegatronConfigError
 
-__all__ = ["split_microbatches", "batch_size_of", "infer_seq_length"]
+__all__ = ["split_microbatches", "batch_size_of", "infer_seq_length", "context_parallel_share"]
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
@@ -80,3 +81,26 @@ def infer_seq_length(microbatch: Any) -> int:
         "Could not infer the sequence length of a microbatch (it has no 2-D tensor). Define "
         "`microbatch_seq_length(microbatch)` on the LightningModule."
     )
+
+
+def context_parallel_share(microbatch: Any, seq_length: int, size: int, rank: int) -> Any:
+    """This context-parallel rank's tokens of ``microbatch``: every tensor whose dim 1 is the sequence (``tokens``,
+    ``labels``, ``loss_mask``, ``position_ids``, ...) keeps the rank's two chunks (``context.split``); others stay.
+
+    ``position_ids`` are added (``0 .. seq-1``) where the microbatch has ``tokens`` and none, so a learned position
+    embedding sees global positions; RoPE needs nothing: megatron-core's rotary embedding picks the same chunks of
+    its table for this rank.
+    """
+    if not isinstance(microbatch, Mapping):
+        raise MegatronConfigError(
+            "context_parallel_size > 1 splits each microbatch along the sequence and needs dict batches "
+            f"(``tokens``, ``labels``, ``loss_mask``, ``position_ids``); got {type(microbatch).__name__}."
+        )
+    tokens = microbatch.get("tokens")
+    if isinstance(tokens, torch.Tensor) and "position_ids" not in microbatch:
+        microbatch = {**microbatch, "position_ids": torch.arange(seq_length, device=tokens.device).expand_as(tokens)}
+    share = copy.copy(microbatch)
+    for key, value in microbatch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_length:
+            share[key] = split_sequence(value, 1, size, rank)
+    return share

@@ -30,11 +30,14 @@ class ParallelLayout:
     pipeline: int = 1
     virtual_pipeline: Optional[int] = None
     sequence_parallel: bool = False
+    context: int = 1
+    """Context parallelism: ranks that each hold a slice of every sequence (``context_parallel_size``)."""
 
     def __post_init__(self) -> None:
         for name, value in (
             ("tensor_model_parallel_size", self.tensor),
             ("pipeline_model_parallel_size", self.pipeline),
+            ("context_parallel_size", self.context),
         ):
             if not isinstance(value, int) or value < 1:
                 raise MegatronConfigError(f"`{name}` must be a positive integer, got {value!r}.")
@@ -64,15 +67,40 @@ class ParallelLayout:
         """Model chunks held by each rank: one per virtual pipeline stage."""
         return self.virtual_pipeline or 1
 
+    @property
+    def ranks_per_replica(self) -> int:
+        """Ranks that hold one copy of the model and see one stream of data: tensor × pipeline × context."""
+        return self.model_parallel_size * self.context
+
     def data_parallel_size(self, world_size: int) -> int:
-        if world_size % self.model_parallel_size:
+        per_replica = self.ranks_per_replica
+        if world_size % per_replica:
+            sizes = "tensor_model_parallel_size × pipeline_model_parallel_size"
+            values = f"{self.tensor} × {self.pipeline}"
+            if self.context > 1:
+                sizes, values = f"{sizes} × context_parallel_size", f"{values} × {self.context}"
             raise MegatronConfigError(
-                f"The world size {world_size} is not divisible by tensor_model_parallel_size × "
-                f"pipeline_model_parallel_size = {self.tensor} × {self.pipeline} = {self.model_parallel_size}. "
-                f"Launch a multiple of {self.model_parallel_size} processes (Trainer devices × num_nodes) "
+                f"The world size {world_size} is not divisible by {sizes} = {values} = {per_replica}. "
+                f"Launch a multiple of {per_replica} processes (Trainer devices × num_nodes) "
                 "or change the parallel sizes."
             )
-        return world_size // self.model_parallel_size
+        return world_size // per_replica
+
+    def check_seq_length(self, seq_length: int) -> None:
+        """Raise unless a sequence of ``seq_length`` tokens splits over the context-parallel ranks: ``2 ×
+        context_parallel_size`` equal chunks (the load-balanced split), each rank's share then over the tensor-parallel
+        ranks under sequence parallelism."""
+        if self.context == 1:
+            return
+        parts = 2 * self.context * (self.tensor if self.sequence_parallel else 1)
+        if seq_length % parts:
+            what = f"2 × context_parallel_size = {2 * self.context}"
+            if self.sequence_parallel:
+                what = f"2 × context_parallel_size × tensor_model_parallel_size = {parts} (sequence parallelism)"
+            raise MegatronConfigError(
+                f"The sequence length {seq_length} does not split into {what} equal parts. Use a sequence length "
+                f"that is a multiple of {parts}, or another context_parallel_size."
+            )
 
     def check_num_layers(self, num_layers: int) -> None:
         """Raise unless ``num_layers`` splits evenly over pipeline (and virtual) stages."""
@@ -112,6 +140,8 @@ class ParallelContext:
         self.pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.data_parallel_rank = parallel_state.get_data_parallel_rank()
         self.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        self.context_parallel_rank = parallel_state.get_context_parallel_rank()
+        self.context_parallel_size = parallel_state.get_context_parallel_world_size()
         self.process_groups = ProcessGroupCollection.use_mpu_process_groups(
             required_pgs=["tp", "pp", "mp", "cp", "dp", "dp_cp", "embd", "pos_embd"]
         )
@@ -155,6 +185,7 @@ class ParallelContext:
             "pipeline_model_parallel_size": self.layout.pipeline,
             "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline,
             "sequence_parallel": self.layout.sequence_parallel,
+            "context_parallel_size": self.layout.context,
             "params_dtype": self.params_dtype,
             "pipeline_dtype": self.params_dtype,
             "bf16": self.params_dtype == torch.bfloat16,
@@ -176,6 +207,7 @@ def initialize_parallel_state(layout: ParallelLayout, timeout: timedelta) -> Non
             parallel_state.get_tensor_model_parallel_world_size() == layout.tensor
             and parallel_state.get_pipeline_model_parallel_world_size() == layout.pipeline
             and parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.virtual_pipeline
+            and parallel_state.get_context_parallel_world_size() == layout.context
         )
         if same:
             return
@@ -183,6 +215,7 @@ def initialize_parallel_state(layout: ParallelLayout, timeout: timedelta) -> Non
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        context_parallel_size=layout.context,
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
     )
 

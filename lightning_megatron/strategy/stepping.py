@@ -36,7 +36,7 @@ from lightning_megatron.compat import megatron_p2p
 from lightning_megatron.pipeline.registry import Schedule, ScheduleContext, ScheduleGroups, ScheduleSession
 from lightning_megatron.strategy.graphs import StepGraph, StepNotRun
 from lightning_megatron.strategy.listeners import ListenerEvents, StepListener, TimersDispatcher
-from lightning_megatron.strategy.microbatch import infer_seq_length, split_microbatches
+from lightning_megatron.strategy.microbatch import context_parallel_share, infer_seq_length, split_microbatches
 from lightning_megatron.strategy.parallel import ParallelLayout
 from lightning_megatron.strategy.step import StepOutput, run_forward_backward
 
@@ -135,13 +135,20 @@ class StepRunner:
             self.session = self.schedule.open(self._context(self.options, device))
         session, watching = self.session, tuple(self.listeners)
 
+        # The schedule's activation shapes take the whole sequence (megatron-core divides it by the context size).
+        seq_length = seq_of(microbatches[0])
+        if self.layout.context > 1:
+            self.layout.check_seq_length(seq_length)
+            cp_rank = parallel_state.get_context_parallel_rank()
+            microbatches = [context_parallel_share(m, seq_length, self.layout.context, cp_rank) for m in microbatches]
+
         def step(microbatches: list[Any]) -> StepOutput:
             return run_forward_backward(
                 schedule=session,
                 chunks=chunks,
                 forward_step=module.forward_step,
                 microbatches=microbatches,
-                seq_length=seq_of(microbatches[0]),
+                seq_length=seq_length,
                 micro_batch_size=self.micro_batch_size,
                 forward_only=forward_only,
                 device=device,

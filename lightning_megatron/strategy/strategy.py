@@ -82,7 +82,7 @@ __all__ = ["MegatronAppStrategy"]
 class MegatronAppStrategy(ParallelStrategy):
     """Train megatron-core models with tensor, pipeline, virtual-pipeline, data and sequence parallelism.
 
-    Data parallelism is what remains of the world: ``devices × num_nodes / (TP × PP)`` replicas.
+    Data parallelism is what remains of the world: ``devices × num_nodes / (TP × PP × CP)`` replicas.
 
     Args:
         tensor_model_parallel_size: GPUs each layer is split across (keep within a node).
@@ -150,6 +150,7 @@ class MegatronAppStrategy(ParallelStrategy):
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: Optional[int] = None,
         sequence_parallel: bool = False,
+        context_parallel_size: int = 1,
         micro_batch_size: int = 1,
         schedule: Optional[str] = None,
         schedule_options: Optional[dict[str, Any]] = None,
@@ -188,6 +189,7 @@ class MegatronAppStrategy(ParallelStrategy):
             pipeline=pipeline_model_parallel_size,
             virtual_pipeline=virtual_pipeline_model_parallel_size,
             sequence_parallel=sequence_parallel,
+            context=context_parallel_size,
         )
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise MegatronConfigError(f"`micro_batch_size` must be a positive integer, got {micro_batch_size!r}.")
@@ -196,6 +198,13 @@ class MegatronAppStrategy(ParallelStrategy):
         self.schedule.validate(pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline)
         self.schedule_options = self.schedule.options(schedule_options)
         self.cuda_graphs = check_cuda_graphs(cuda_graphs, pipeline=self.layout.pipeline)
+        if self.layout.context > 1:
+            if cuda_graphs:
+                raise MegatronConfigError(
+                    "cuda_graphs=True is not supported with context_parallel_size > 1 yet (the ring's exchanges are "
+                    "not captured); leave cuda_graphs unset or False."
+                )
+            self.cuda_graphs = False
         self._graphs = False  # whether this run replays steps as graphs: resolved in setup_environment
         if process_group_backend not in (None, "nccl", "gloo"):
             raise MegatronConfigError(

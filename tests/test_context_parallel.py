@@ -1,0 +1,71 @@
+"""``MegatronAppStrategy(context_parallel_size=N)``: a Llama-shaped tiny model (GQA, RoPE, SwiGLU, RMSNorm) trained
+with each sequence split over context-parallel ranks must follow one process's losses within 1e-4 (fp32, CPU),
+alone and with tensor (and sequence) or pipeline parallelism; the loss and token counts are reduced across the
+ranks that share a sequence, and gradients over data × context ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dpp_cases as dc
+import pytest
+from cases import fit_gpt
+
+from lightning_megatron import MegatronAppStrategy
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.strategy.parallel import ParallelLayout
+
+MODEL = {"layer_spec": "sdpa", **dc.llama_model()}
+LAYOUTS = {
+    "cp2": (2, dict(context_parallel_size=2)),
+    "cp2-tp2-sp": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+    "cp2-pp2": (4, dict(context_parallel_size=2, pipeline_model_parallel_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(ranks: Any) -> dict[str, Any]:
+    return ranks.run(1, fit_gpt, 1, steps=3, model=MODEL, trainer={"val_check_interval": 3, "limit_val_batches": 2})[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_losses_equal_one_process(ranks: Any, one_process: dict[str, Any], layout: str) -> None:
+    world, strategy = LAYOUTS[layout]
+    results = ranks.run(
+        world,
+        fit_gpt,
+        world,
+        steps=3,
+        model=MODEL,
+        trainer={"val_check_interval": 3, "limit_val_batches": 2},
+        **strategy,
+    )
+    want = one_process["loss"]
+    for rank, got in enumerate(results):
+        assert len(got["loss"]) == len(want) == 3
+        for step, (a, b) in enumerate(zip(got["loss"], want)):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{layout} rank {rank}: step {step} loss {a} vs {b}"
+        assert got["val_loss"] and abs(got["val_loss"][-1] - one_process["val_loss"][-1]) <= 1e-4 * abs(
+            one_process["val_loss"][-1]
+        ), f"{layout} rank {rank}: val_loss {got['val_loss']} vs {one_process['val_loss']}"
+
+
+def test_context_parallel_settings_are_checked() -> None:
+    with pytest.raises(MegatronConfigError, match="context_parallel_size"):
+        MegatronAppStrategy(context_parallel_size=0)
+    with pytest.raises(MegatronConfigError, match="cuda_graphs"):
+        MegatronAppStrategy(context_parallel_size=2, cuda_graphs=True)
+    with pytest.raises(MegatronConfigError, match="context_parallel_size = 2 × 2 × 2 = 8"):
+        ParallelLayout(tensor=2, pipeline=2, context=2).data_parallel_size(12)
+    assert ParallelLayout(tensor=2, context=2).data_parallel_size(8) == 2
+    with pytest.raises(MegatronConfigError, match="sequence length 12 does not split into 2 × context_parallel_size"):
+        ParallelLayout(context=4).check_seq_length(12)
+    with pytest.raises(MegatronConfigError, match="multiple of 8"):
+        ParallelLayout(tensor=2, sequence_parallel=True, context=2).check_seq_length(12)
+    ParallelLayout(context=4).check_seq_length(16)
+
+
+def test_context_parallel_needs_the_sdpa_spec(ranks: Any) -> None:
+    with pytest.raises(Exception, match="needs layer_spec='sdpa'"):
+        ranks.run(2, fit_gpt, 2, steps=1, model={"layer_spec": "local"}, context_parallel_size=2)
