@@ -1,12 +1,14 @@
 """``MegatronAppStrategy(context_parallel_size=N)``: a Llama-shaped tiny model (GQA, RoPE, SwiGLU, RMSNorm) trained
 with each sequence split over context-parallel ranks must follow one process's losses within 1e-4 (fp32, CPU),
 alone and with tensor (and sequence) or pipeline parallelism; the loss and token counts are reduced across the
-ranks that share a sequence, and gradients over data × context ranks.
+ranks that share a sequence, and gradients over data × context ranks. A checkpoint saved at one context size
+resumes at another.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import dpp_cases as dc
 import pytest
@@ -69,3 +71,38 @@ def test_context_parallel_settings_are_checked() -> None:
 def test_context_parallel_needs_the_sdpa_spec(ranks: Any) -> None:
     with pytest.raises(Exception, match="needs layer_spec='sdpa'"):
         ranks.run(2, fit_gpt, 2, steps=1, model={"layer_spec": "local"}, context_parallel_size=2)
+
+
+STEPS, SAVE_EVERY = 6, 3
+
+
+def fit_saving(world_size: int, ckpt_dir: str, resume: Optional[str] = None, **strategy: Any) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_EVERY, save_top_k=-1)
+    return fit_gpt(
+        world_size,
+        steps=STEPS,
+        data={"num_train_samples": 64},
+        model={**MODEL, "warmup_steps": 2},
+        trainer={"enable_checkpointing": True},
+        callbacks=[saver],
+        ckpt_path=resume,
+        **strategy,
+    )
+
+
+@pytest.mark.parametrize(("saved_cp", "resumed_cp"), [(2, 1), (1, 2)], ids=["cp2-to-cp1", "cp1-to-cp2"])
+def test_checkpoint_resumes_at_another_context_size(ranks: Any, tmp_path: Path, saved_cp: int, resumed_cp: int) -> None:
+    """Weights and optimizer state do not depend on the context split: a checkpoint saved at one context size
+    continues at the other as the uninterrupted run (within the rounding that separates the two sizes)."""
+    full = ranks.run(saved_cp, fit_saving, saved_cp, str(tmp_path / "saved"), context_parallel_size=saved_cp)[0]
+    resume = str(tmp_path / "saved" / f"epoch=0-step={SAVE_EVERY}.ckpt")
+    results = ranks.run(
+        resumed_cp, fit_saving, resumed_cp, str(tmp_path / "resumed"), resume, context_parallel_size=resumed_cp
+    )
+    tail = full["loss"][SAVE_EVERY:]
+    for rank, resumed in enumerate(results):
+        assert resumed["global_step"] == STEPS and len(resumed["loss"]) == len(tail)
+        for step, (got, want) in enumerate(zip(resumed["loss"], tail), start=SAVE_EVERY + 1):
+            assert abs(got - want) <= 1e-4 * abs(want), f"rank {rank}: step {step} loss {got} != uninterrupted {want}"
