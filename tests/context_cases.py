@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,3 +57,14 @@ def _compare(batch, heads, kv_heads, seq, head_dim, gather_sequence, ring_attent
         got[f"d{name}"] = gather_sequence(t.grad, 2, group)
     want_all = {"out": want.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return {name: float((got[name] - want_all[name]).abs().max()) for name in want_all}
+
+
+def generate_refusal(module: Any) -> str:
+    """What ``generate`` says after a context-parallel fit (a probe run inside the rank)."""
+    from lightning_megatron.errors import MegatronConfigError
+
+    try:
+        module.generate(torch.zeros(1, 4, dtype=torch.long), 2)
+    except MegatronConfigError as err:
+        return str(err)
+    return "generated"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import context_cases as cc
 import dpp_cases as dc
 import pytest
 from cases import fit_gpt
@@ -106,3 +107,9 @@ def test_checkpoint_resumes_at_another_context_size(ranks: Any, tmp_path: Path, 
         assert resumed["global_step"] == STEPS and len(resumed["loss"]) == len(tail)
         for step, (got, want) in enumerate(zip(resumed["loss"], tail), start=SAVE_EVERY + 1):
             assert abs(got - want) <= 1e-4 * abs(want), f"rank {rank}: step {step} loss {got} != uninterrupted {want}"
+
+
+def test_generation_at_context_parallel_size_2_is_refused(ranks: Any) -> None:
+    """Generation runs whole sequences; until it gathers them, it must refuse rather than attend within a slice."""
+    for result in ranks.run(2, fit_gpt, 2, steps=1, model=MODEL, probe=cc.generate_refusal, context_parallel_size=2):
+        assert "context_parallel_size=2" in result["probe"], result["probe"]

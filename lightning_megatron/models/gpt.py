@@ -378,7 +378,15 @@ class GPTModule(MegatronLightningModule):
 
         ``options`` are ``models.generation.generate``'s: ``temperature`` (0: greedy), ``top_k``, ``top_p``,
         ``seed``, ``eos_id``, ``on_token`` (a per-position callback that may stop generation), ``kv_cache``.
+        Not at ``context_parallel_size > 1`` yet: its attention expects every sequence split over the ranks.
         """
+        context = self.model_chunks[0].config.context_parallel_size if len(self.model_chunks) else 1
+        if context > 1:
+            raise MegatronConfigError(
+                f"generate() does not run at context_parallel_size={context} yet (the model's attention expects each "
+                "sequence split over the context-parallel ranks); load the checkpoint at context_parallel_size=1 "
+                "to generate."
+            )
         return generate(
             self.model_chunks,
             prompts,
