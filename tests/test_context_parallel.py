@@ -1,6 +1,7 @@
 """``MegatronAppStrategy(context_parallel_size=N)``: a Llama-shaped tiny model (GQA, RoPE, SwiGLU, RMSNorm) trained
 with each sequence split over context-parallel ranks must follow one process's losses within 1e-4 (fp32, CPU),
-alone and with tensor (and sequence) or pipeline parallelism; the loss and token counts are reduced across the
+alone and with tensor (and sequence) parallelism, pipeline parallelism (three schedules) and data parallelism with
+the distributed optimizer; the loss and token counts are reduced across the
 ranks that share a sequence, and gradients over data × context ranks. A checkpoint saved at one context size
 resumes at another.
 """
@@ -24,6 +25,9 @@ LAYOUTS = {
     "cp2": (2, dict(context_parallel_size=2)),
     "cp2-tp2-sp": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
     "cp2-pp2": (4, dict(context_parallel_size=2, pipeline_model_parallel_size=2)),
+    "cp2-pp2-zb": (4, dict(context_parallel_size=2, pipeline_model_parallel_size=2, schedule="zb-h1")),
+    "cp2-pp2-dpp": (4, dict(context_parallel_size=2, pipeline_model_parallel_size=2, schedule="dpp")),
+    "cp2-dp2-distopt": (4, dict(context_parallel_size=2, use_distributed_optimizer=True)),
 }
 
 
