@@ -59,12 +59,21 @@ def _compare(batch, heads, kv_heads, seq, head_dim, gather_sequence, ring_attent
     return {name: float((got[name] - want_all[name]).abs().max()) for name in want_all}
 
 
-def generate_refusal(module: Any) -> str:
-    """What ``generate`` says after a context-parallel fit (a probe run inside the rank)."""
-    from lightning_megatron.errors import MegatronConfigError
+def greedy_continuation(module: Any) -> dict[str, Any]:
+    """Greedy tokens and their fp32 logits (last stage) for two prompts, with and without the KV cache."""
+    import torch
 
-    try:
-        module.generate(torch.zeros(1, 4, dtype=torch.long), 2)
-    except MegatronConfigError as err:
-        return str(err)
-    return "generated"
+    out: dict[str, Any] = {}
+    for kv_cache in (True, False):
+        logits: list = []
+
+        def keep(step: Any, logits: list = logits) -> None:
+            if step.logits is not None:
+                logits.append(step.logits.detach().clone())
+
+        result = module.generate(
+            [[3, 5, 7, 9, 11, 13, 15, 17, 19, 21], [2, 4, 6]], 6, temperature=0, kv_cache=kv_cache, on_token=keep
+        )
+        out[f"tokens/{kv_cache}"] = result.tokens
+        out[f"logits/{kv_cache}"] = torch.stack(logits) if logits else None
+    return out

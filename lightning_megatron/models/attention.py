@@ -48,7 +48,6 @@ class SDPAttention(DotProductAttention):
                     f"attention_dropout={self.attention_dropout.p} is not supported with context_parallel_size="
                     f"{context} (ring attention has no dropout): set attention_dropout=0."
                 )
-        self.context_parallel_size = context
         if self.config.window_size is not None or self.config.softmax_type != "vanilla":
             raise MegatronConfigError(
                 "layer_spec='sdpa' supports full causal attention with the vanilla softmax; use layer_spec='local' "
@@ -74,7 +73,8 @@ class SDPAttention(DotProductAttention):
         # megatron-core: [seq, batch, heads, head_dim]; SDPA: [batch, heads, seq, head_dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         seq, batch = query.shape[0], query.shape[1]
-        if self.context_parallel_size > 1:
+        # Read per call: generation runs whole sequences with the config at CP1 (context.whole_sequences).
+        if self.config.context_parallel_size > 1:
             if mask_type != AttnMaskType.causal or attention_mask is not None:
                 raise MegatronConfigError(
                     "context_parallel_size > 1 runs causal attention without an explicit mask (ring attention); "

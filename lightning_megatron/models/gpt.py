@@ -15,6 +15,7 @@ from megatron.core.utils import unwrap_model
 from typing_extensions import override
 
 from lightning_megatron.compat import rope as rope_compat
+from lightning_megatron.context.whole_sequences import whole_sequences
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.models.generation import Generation, Prompts, generate
@@ -378,23 +379,18 @@ class GPTModule(MegatronLightningModule):
 
         ``options`` are ``models.generation.generate``'s: ``temperature`` (0: greedy), ``top_k``, ``top_p``,
         ``seed``, ``eos_id``, ``on_token`` (a per-position callback that may stop generation), ``kv_cache``.
-        Not at ``context_parallel_size > 1`` yet: its attention expects every sequence split over the ranks.
+        At ``context_parallel_size > 1`` every rank of a context-parallel group decodes the whole sequence itself
+        (``context.whole_sequences``): the same tokens as at CP1, computed redundantly.
         """
-        context = self.model_chunks[0].config.context_parallel_size if len(self.model_chunks) else 1
-        if context > 1:
-            raise MegatronConfigError(
-                f"generate() does not run at context_parallel_size={context} yet (the model's attention expects each "
-                "sequence split over the context-parallel ranks); load the checkpoint at context_parallel_size=1 "
-                "to generate."
+        with whole_sequences(self.model_chunks):
+            return generate(
+                self.model_chunks,
+                prompts,
+                max_new_tokens,
+                vocab_size=self.hparams.vocab_size,
+                max_sequence_length=self.hparams.seq_length,
+                **options,
             )
-        return generate(
-            self.model_chunks,
-            prompts,
-            max_new_tokens,
-            vocab_size=self.hparams.vocab_size,
-            max_sequence_length=self.hparams.seq_length,
-            **options,
-        )
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
