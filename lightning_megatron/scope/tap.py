@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.strategy.listeners import StepListener
 
 __all__ = ["ForwardState", "ParallelFacts", "Tap", "strategy_of"]
@@ -112,6 +113,13 @@ class Tap:
         return tap
 
     def acquire(self) -> None:
+        if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+            # Checked on every rank at the same call, before any hook: captures and perturbations would see (and
+            # assemble as a whole sequence) only each rank's two chunks.
+            raise MegatronConfigError(
+                "MegaScope does not run at context_parallel_size > 1 yet: its captures and perturbations are not "
+                "assembled across context-parallel ranks. Load the checkpoint at context_parallel_size=1 to probe it."
+            )
         if self._users == 0:
             self.facts = ParallelFacts.read(self.chunks)  # the layout may differ from the last use
             self._handles = [c.register_forward_pre_hook(self._on_chunk_forward, with_kwargs=True) for c in self.chunks]
