@@ -87,7 +87,9 @@ def test_rank_split_matches_1f1b(ranks: Any, layout: str, mode: str) -> None:
             # 1F1B on DP3 by the order gloo adds them in: 1e-7 on a loss).
             assert_identical(got[rank], reference, what)
         else:
-            assert_close(got[rank], reference, 1e-5, what)
+            # Three replicas' gradients sum in gloo's order, not 1F1B's on DP3: after three steps of lr 1e-2 a
+            # gradient element of the 1:3 ship layout differed by 2e-5 of the largest (torch 2.13, numpy 2.4.6).
+            assert_close(got[rank], reference, 5e-5 if backward > 2 else 1e-5, what)
         assert got[rank]["prediction"] and got[rank]["prediction"] > 0, what
 
 
