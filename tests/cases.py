@@ -22,6 +22,7 @@ class Recorder(pl.Callback):
         self.grad_norm: list[float] = []
         self.lr: list[float] = []
         self.val_loss: list[float] = []
+        self.moe_aux_loss: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         metrics = trainer.callback_metrics
@@ -29,6 +30,8 @@ class Recorder(pl.Callback):
         # No grad_norm on a step skipped for fp16 overflow (that step logs skipped_step instead).
         self.grad_norm.append(float(metrics["grad_norm"]) if "grad_norm" in metrics else float("nan"))
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+        if "moe/load_balancing_loss" in metrics:
+            self.moe_aux_loss.append(float(metrics["moe/load_balancing_loss"]))
 
     def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         # (not on_validation_epoch_end: callbacks run before the module logs val_loss there)
@@ -77,6 +80,7 @@ def fit_gpt(
         "grad_norm": recorder.grad_norm,
         "lr": recorder.lr,
         "val_loss": recorder.val_loss,
+        "moe_aux_loss": recorder.moe_aux_loss,
         "global_step": run.global_step,
         "coordinates": run.strategy.parallel.coordinates,
         "params_dtype": str(next(module.parameters()).dtype),

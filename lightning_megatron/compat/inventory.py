@@ -144,6 +144,41 @@ PATCHES: tuple[Patch, ...] = (
         covered_by="tests/test_patch_inventory.py",
     ),
     Patch(
+        target="megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction.forward",
+        installer="lightning_megatron.compat.moe:install",
+        scope="process",
+        why="the MoE router's gating linear (forward and backward) reads the global te_general_gemm, which "
+        "moe_utils defines only when Transformer Engine imports (NameError without it); install defines it as None "
+        "where it is missing, so both take their torch.mm path",
+        restored="never: only defined where it was missing (Transformer Engine's GEMM is kept)",
+        tested=_MCORE,
+        covered_by="tests/test_moe.py",
+        also=("megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction.backward",),
+    ),
+    Patch(
+        target="megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+        installer="lightning_megatron.compat.moe:install",
+        scope="process",
+        why="the all-to-all dispatcher's split sizes become numpy arrays only when they are CUDA tensors; on CPUs "
+        "they stay tensors, which all_to_all_single rejects; the dispatcher's copy also converts CPU tensors "
+        "when asked for numpy (CUDA tensors go to megatron-core's)",
+        restored="never: the same values for CUDA tensors, and the conversion megatron-core meant for CPU ones",
+        tested=f"{_MCORE}, {_TORCH}",
+        covered_by="tests/test_moe.py",
+    ),
+    Patch(
+        target="megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+        installer="lightning_megatron.compat.gloo_uneven:install",
+        scope="process",
+        why="gloo has no all_gather of unequal parts and no reduce_scatter, which the MoE dispatcher runs over the "
+        "tensor-parallel group with split sizes; on gloo processes, calls with split sizes pad and gather, or "
+        "all-reduce and slice (also _reduce_scatter_along_first_dim); calls without go to megatron-core's",
+        restored="never: CPU (gloo) processes, the same values",
+        tested=f"{_MCORE}, torch 2.13 (CPU)",
+        covered_by="tests/test_moe.py",
+        also=("megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim",),
+    ),
+    Patch(
         target="megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
         installer="lightning_megatron.compat.megatron:use_in_process_checkpoint_results",
         scope="process",

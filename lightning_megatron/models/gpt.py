@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 from typing_extensions import override
 
+from lightning_megatron.compat import gloo_uneven
+from lightning_megatron.compat import moe as moe_compat
 from lightning_megatron.compat import rope as rope_compat
 from lightning_megatron.context.whole_sequences import whole_sequences
 from lightning_megatron.errors import MegatronConfigError
@@ -21,6 +23,13 @@ from lightning_megatron.kernels.cross_entropy import vocab_parallel_cross_entrop
 from lightning_megatron.models.generation import Generation, Prompts, generate
 from lightning_megatron.models.init import init_split_invariant_
 from lightning_megatron.models.module import MegatronLightningModule
+from lightning_megatron.models.moe import (
+    AuxLosses,
+    MoETokenDispatcher,
+    check_expert_layout,
+    check_moe,
+    separate_expert_parameters,
+)
 from lightning_megatron.models.recompute import (
     RecomputeGranularity,
     RecomputeMethod,
@@ -142,6 +151,18 @@ class GPTModule(MegatronLightningModule):
             ``"selective"`` (no method, no count) recomputes core attention only, which saves the
             ``[seq, seq]`` attention matrix of ``layer_spec="local"``; under ``"sdpa"`` it saves almost nothing
             (a warning). ``None`` (default): keep every activation.
+        num_moe_experts: Experts of each MoE layer (megatron-core's ``MoELayer``: a top-k router, a token
+            dispatcher, the experts; ``models.moe``, docs/guides/moe.md). ``None`` (default): dense MLPs.
+        moe_router_topk: Experts each token goes to (Mixtral: 2).
+        moe_ffn_hidden_size: Hidden width of one expert (default ``ffn_hidden_size``).
+        moe_aux_loss_coeff: Weight of the router's load-balancing loss (added to the gradient inside the layer and
+            logged as ``moe/load_balancing_loss``, the mean over MoE layers and microbatches); 0 turns it off.
+        moe_token_dispatcher_type: How tokens reach experts on other expert-parallel ranks: ``"alltoall"`` (default;
+            each rank sends each expert only its tokens) or ``"allgather"`` (every rank gathers all tokens).
+        moe_layer_freq: Which layers are MoE layers: every N-th (``1``: all; ``2``: layers 0, 2, ...) or a list of
+            0/1, one per layer.
+        moe_grouped_gemm: Run each rank's experts as grouped GEMMs (megatron-core's ``GroupedMLP``; needs the
+            ``grouped_gemm`` package) instead of one GEMM per expert in turn (``SequentialMLP``, the default).
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
             ``{"recompute_modules": ["core_attn", "mlp"]}``), applied last; unknown names are an error, and so
             are the three recompute fields above (pass them as arguments).
@@ -184,6 +205,13 @@ class GPTModule(MegatronLightningModule):
         recompute_granularity: Optional[RecomputeGranularity] = None,
         recompute_method: Optional[RecomputeMethod] = None,
         recompute_num_layers: Optional[int] = None,
+        num_moe_experts: Optional[int] = None,
+        moe_router_topk: int = 2,
+        moe_ffn_hidden_size: Optional[int] = None,
+        moe_aux_loss_coeff: float = 1e-2,
+        moe_token_dispatcher_type: MoETokenDispatcher = "alltoall",
+        moe_layer_freq: Union[int, list[int]] = 1,
+        moe_grouped_gemm: bool = False,
         transformer_config_overrides: Optional[dict[str, Any]] = None,
         split_invariant_init: bool = True,
         init_seed: int = 1234,
@@ -205,7 +233,23 @@ class GPTModule(MegatronLightningModule):
             layer_spec=layer_spec,
             overrides=transformer_config_overrides,
         )
+        self._moe = check_moe(
+            num_moe_experts,
+            moe_router_topk=moe_router_topk,
+            moe_ffn_hidden_size=moe_ffn_hidden_size,
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_token_dispatcher_type=moe_token_dispatcher_type,
+            moe_layer_freq=moe_layer_freq,
+            moe_grouped_gemm=moe_grouped_gemm,
+            num_layers=num_layers,
+            ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
+            overrides=transformer_config_overrides,
+        )
+        if self._moe:
+            # The dropless dispatcher reads each step's token counts per expert on the host: no CUDA graph.
+            self.graph_safe_forward_step = False
         self._config: Optional[TransformerConfig] = None
+        self._aux_losses: Optional[AuxLosses] = None
 
     @property
     def padded_vocab_size(self) -> int:
@@ -217,6 +261,19 @@ class GPTModule(MegatronLightningModule):
         if self._config is None:
             hp = self.hparams
             self.parallel.layout.check_num_layers(hp.num_layers)
+            check_expert_layout(hp.num_moe_experts, self.parallel.layout.expert)
+            if self._moe and self.megatron.replays_cuda_graphs:
+                raise MegatronConfigError(
+                    "cuda_graphs=True with num_moe_experts: the MoE layer's dispatcher reads the tokens per expert on "
+                    "the host every step, which a CUDA graph cannot replay. Leave cuda_graphs unset or False."
+                )
+            if self._moe and self.megatron.schedule.name == "fbd":
+                raise MegatronConfigError(
+                    "schedule='fbd' with num_moe_experts: MegaFBD rebuilds a stage's backward by replaying its forward "
+                    "elsewhere, and a router picks experts from activations, so the replay would not match (and "
+                    "forward and backward replicas would not meet in the experts' all-to-alls). Use '1f1b', 'dpp' "
+                    "or 'zb-h1'."
+                )
             if hp.make_vocab_size_divisible_by % self.parallel.layout.tensor:
                 raise MegatronConfigError(
                     f"make_vocab_size_divisible_by={hp.make_vocab_size_divisible_by} must be a multiple of "
@@ -255,12 +312,17 @@ class GPTModule(MegatronLightningModule):
             fields.update(self.parallel.config_kwargs())
             fields.update({} if self.parallel.on_cpu else fused)
             fields.update(self._recompute)
+            fields.update(self._moe)
             fields.update(overrides)
             layout = self.parallel.layout
             where = "virtual pipeline stage" if layout.virtual_pipeline else "pipeline stage"
             check_recompute_layout(self._recompute, hp.num_layers // (layout.pipeline * layout.num_chunks), where)
             if fields.get("apply_rope_fusion"):
                 rope_compat.install()
+            if self._moe:
+                moe_compat.install()
+                if self.parallel.on_cpu:
+                    gloo_uneven.install()
             self._config = TransformerConfig(**fields)
         return self._config
 
@@ -285,6 +347,8 @@ class GPTModule(MegatronLightningModule):
             vp_stage=stage.vp_stage,
         )
         model.single_pass_cross_entropy = self._single_pass_cross_entropy()
+        if self._moe:
+            separate_expert_parameters(model)
         fused_residual_norm = self._fused_layer_kernels()["fused_residual_norm"] or self.hparams.layer_spec.endswith(
             "+fused"
         )
@@ -331,6 +395,19 @@ class GPTModule(MegatronLightningModule):
                 std=self.hparams.init_method_std,
                 num_layers=self.hparams.num_layers,
             )
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not self._moe:
+            return super().training_step(batch, batch_idx)
+        if self._aux_losses is None:
+            self._aux_losses = AuxLosses(self.transformer_config())
+        self._aux_losses.clear()  # what validation's forwards left
+        loss = super().training_step(batch, batch_idx)
+        microbatches = len(batch["tokens"]) // self.megatron.micro_batch_size
+        for name, value in self._aux_losses.take(microbatches, loss.device).items():
+            self.log(f"moe/{name}", value, batch_size=1)
+        return loss
 
     @override
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: torch.nn.Module) -> tuple[torch.Tensor, LossFn]:

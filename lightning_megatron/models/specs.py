@@ -105,11 +105,57 @@ def gpt_block_spec(
         raise MegatronConfigError(
             "fused_residual_norm=True needs fused_norms=True (the pre-MLP norm takes the fused op's output)."
         )
-    layer = get_gpt_layer_local_spec(normalization=config.normalization)
+
+    def layer_spec(num_experts: Optional[int]) -> ModuleSpec:
+        return _local_layer_spec(
+            name,
+            config,
+            num_experts,
+            fused_norms=fused_norms,
+            fused_bias_grad=fused_bias_grad,
+            fused_residual_norm=fused_residual_norm,
+        )
+
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if config.num_moe_experts is None:
+        layer_specs = [layer_spec(None)] * num_layers
+    else:  # megatron-core's moe_layer_freq: which layers of the whole model are MoE layers
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        from lightning_megatron.models.moe import moe_layer_pattern
+
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        dense, moe = layer_spec(None), layer_spec(config.num_moe_experts)
+        pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+        layer_specs = [moe if pattern[offset + i] else dense for i in range(num_layers)]
+    norm = ModuleSpec(module=SequenceParallelNorm, params={"fused": True}) if fused_norms else SequenceParallelNorm
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=norm),
+    )
+
+
+def _local_layer_spec(
+    name: str,
+    config: TransformerConfig,
+    num_experts: Optional[int],
+    *,
+    fused_norms: bool,
+    fused_bias_grad: bool,
+    fused_residual_norm: bool,
+) -> ModuleSpec:
+    """megatron-core's local layer (an MoE layer with ``num_experts``) with this package's norms, kernels and
+    attention. An MoE layer's experts keep megatron-core's linears: ``fused_bias_grad`` reaches its attention and
+    bias-dropout-adds only."""
+    layer = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=bool(config.moe_grouped_gemm) if num_experts else False,
+        normalization=config.normalization,
+    )
     norm: Any = ModuleSpec(module=SequenceParallelNorm, params={"fused": True}) if fused_norms else SequenceParallelNorm
     submodules = dataclasses.replace(layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
     if fused_bias_grad:
-        submodules = _with_fused_bias_grad(submodules)
+        submodules = _with_fused_bias_grad(submodules, moe=num_experts is not None)
     if fused_residual_norm:
         from lightning_megatron.kernels.layers import ResidualNormBDA
 
@@ -136,15 +182,12 @@ def gpt_block_spec(
                 "turn fused_residual_norm off."
             )
         layer = dataclasses.replace(layer, module=ResidualNormTransformerLayer)
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm),
-    )
+    return layer
 
 
-def _with_fused_bias_grad(submodules: Any) -> Any:
-    """The layer's qkv linear, MLP and bias-dropout-adds with their bias gradients through the fused column sum."""
+def _with_fused_bias_grad(submodules: Any, moe: bool = False) -> Any:
+    """The layer's qkv linear, MLP (not an MoE layer's experts) and bias-dropout-adds with their bias gradients
+    through the fused column sum."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP
 
@@ -156,7 +199,7 @@ def _with_fused_bias_grad(submodules: Any) -> Any:
         and mlp.submodules.linear_fc1 is ColumnParallelLinear
         and mlp.submodules.linear_fc2 is RowParallelLinear
     )
-    if attention.submodules.linear_qkv is not ColumnParallelLinear or not local_mlp:
+    if attention.submodules.linear_qkv is not ColumnParallelLinear or not (local_mlp or moe):
         raise MegatronConfigError(
             "fused_bias_grad expects megatron-core's local layer (ColumnParallelLinear qkv, MLP); this megatron-core "
             "builds another one: turn fused_bias_grad off."
@@ -167,7 +210,7 @@ def _with_fused_bias_grad(submodules: Any) -> Any:
             attention,
             submodules=dataclasses.replace(attention.submodules, linear_qkv=BiasGradColumnParallelLinear),
         ),
-        mlp=BiasGradMLP,  # a class, not a ModuleSpec: see BiasGradMLP
+        mlp=mlp if moe else BiasGradMLP,  # a class, not a ModuleSpec: see BiasGradMLP
         self_attn_bda=get_bias_dropout_add,
         mlp_bda=get_bias_dropout_add,
     )

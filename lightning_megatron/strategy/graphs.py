@@ -332,7 +332,11 @@ def settings_not_run_graphed(*, overlap_param_gather: bool, tp_comm_overlap: boo
 def declares_graph_safe_step(module: Any) -> bool:
     """Whether the class that defines ``module.forward_step`` also sets ``graph_safe_forward_step = True``: its
     forward step only queues GPU work and has no per-call host effects. A subclass that overrides
-    ``forward_step`` does not inherit the promise; it makes its own."""
+    ``forward_step`` does not inherit the promise; it makes its own. An instance may withdraw it
+    (``self.graph_safe_forward_step = False``: ``GPTModule`` with MoE layers, whose dispatcher reads token counts on
+    the host)."""
+    if vars(module).get("graph_safe_forward_step", True) is False:
+        return False
     for klass in type(module).__mro__:
         if "forward_step" in vars(klass):
             return vars(klass).get("graph_safe_forward_step", False) is True

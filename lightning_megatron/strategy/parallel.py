@@ -32,12 +32,17 @@ class ParallelLayout:
     sequence_parallel: bool = False
     context: int = 1
     """Context parallelism: ranks that each hold a slice of every sequence (``context_parallel_size``)."""
+    expert: int = 1
+    """Expert parallelism: ranks over which each MoE layer's experts are split (``expert_model_parallel_size``),
+    taken from the data- (and context-) parallel ranks, as in megatron-core: the rest of the model stays replicated
+    over them, each expert over ``data × context / expert`` ranks (expert data parallelism)."""
 
     def __post_init__(self) -> None:
         for name, value in (
             ("tensor_model_parallel_size", self.tensor),
             ("pipeline_model_parallel_size", self.pipeline),
             ("context_parallel_size", self.context),
+            ("expert_model_parallel_size", self.expert),
         ):
             if not isinstance(value, int) or value < 1:
                 raise MegatronConfigError(f"`{name}` must be a positive integer, got {value!r}.")
@@ -84,7 +89,15 @@ class ParallelLayout:
                 f"Launch a multiple of {per_replica} processes (Trainer devices × num_nodes) "
                 "or change the parallel sizes."
             )
-        return world_size // per_replica
+        data = world_size // per_replica
+        if (data * self.context) % self.expert:
+            raise MegatronConfigError(
+                f"expert_model_parallel_size={self.expert} must divide the data-parallel size × "
+                f"context_parallel_size = {data} × {self.context} (experts are split over those ranks; the world "
+                f"size {world_size} leaves {data} data-parallel replicas). Launch more processes or lower "
+                "expert_model_parallel_size."
+            )
+        return data
 
     def check_seq_length(self, seq_length: int) -> None:
         """Raise unless a sequence of ``seq_length`` tokens splits over the context-parallel ranks: ``2 ×
@@ -142,14 +155,20 @@ class ParallelContext:
         self.data_parallel_size = parallel_state.get_data_parallel_world_size()
         self.context_parallel_rank = parallel_state.get_context_parallel_rank()
         self.context_parallel_size = parallel_state.get_context_parallel_world_size()
-        self.process_groups = ProcessGroupCollection.use_mpu_process_groups(
-            required_pgs=["tp", "pp", "mp", "cp", "dp", "dp_cp", "embd", "pos_embd"]
-        )
+        self.expert_parallel_rank = parallel_state.get_expert_model_parallel_rank()
+        required = ["tp", "pp", "mp", "cp", "dp", "dp_cp", "embd", "pos_embd"]
+        if layout.expert > 1:
+            required += ["ep", "expt_tp", "expt_dp", "tp_ep"]
+        self.process_groups = ProcessGroupCollection.use_mpu_process_groups(required_pgs=required)
 
     @property
     def coordinates(self) -> dict[str, int]:
-        """This rank's (dp, pp, tp) coordinates, the names used in logs and trace files."""
-        return {"dp": self.data_parallel_rank, "pp": self.pipeline_rank, "tp": self.tensor_rank}
+        """This rank's (dp, pp, tp) coordinates, the names used in logs and trace files (and ep with experts
+        split over ranks)."""
+        coordinates = {"dp": self.data_parallel_rank, "pp": self.pipeline_rank, "tp": self.tensor_rank}
+        if self.layout.expert > 1:
+            coordinates["ep"] = self.expert_parallel_rank
+        return coordinates
 
     @property
     def is_first_pipeline_stage(self) -> bool:
@@ -186,6 +205,7 @@ class ParallelContext:
             "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline,
             "sequence_parallel": self.layout.sequence_parallel,
             "context_parallel_size": self.layout.context,
+            "expert_model_parallel_size": self.layout.expert,
             "params_dtype": self.params_dtype,
             "pipeline_dtype": self.params_dtype,
             "bf16": self.params_dtype == torch.bfloat16,
@@ -208,6 +228,7 @@ def initialize_parallel_state(layout: ParallelLayout, timeout: timedelta) -> Non
             and parallel_state.get_pipeline_model_parallel_world_size() == layout.pipeline
             and parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.virtual_pipeline
             and parallel_state.get_context_parallel_world_size() == layout.context
+            and parallel_state.get_expert_model_parallel_world_size() == layout.expert
         )
         if same:
             return
@@ -216,6 +237,7 @@ def initialize_parallel_state(layout: ParallelLayout, timeout: timedelta) -> Non
         pipeline_model_parallel_size=layout.pipeline,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
         context_parallel_size=layout.context,
+        expert_model_parallel_size=layout.expert,
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
     )
 

@@ -90,6 +90,10 @@ class MegatronAppStrategy(ParallelStrategy):
         virtual_pipeline_model_parallel_size: Model chunks per pipeline rank (interleaved schedule).
         sequence_parallel: Split the activations outside the tensor-parallel regions along the
             sequence too (needs TP > 1; saves activation memory).
+        context_parallel_size: Ranks each sequence is split over (ring attention; ``layer_spec="sdpa"``).
+        expert_model_parallel_size: Ranks the experts of every MoE layer are split over (``GPTModule(
+            num_moe_experts=...)``), out of the data- (and context-) parallel ranks; tokens reach their experts by
+            all-to-all (:mod:`lightning_megatron.models.moe`).
         micro_batch_size: Samples per microbatch. A Lightning batch is one optimizer step; it is split
             into ``batch size / micro_batch_size`` microbatches that flow through the pipeline.
         schedule: Registered pipeline schedule (``lightning_megatron.pipeline.available_schedules()``).
@@ -151,6 +155,7 @@ class MegatronAppStrategy(ParallelStrategy):
         virtual_pipeline_model_parallel_size: Optional[int] = None,
         sequence_parallel: bool = False,
         context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
         micro_batch_size: int = 1,
         schedule: Optional[str] = None,
         schedule_options: Optional[dict[str, Any]] = None,
@@ -190,6 +195,7 @@ class MegatronAppStrategy(ParallelStrategy):
             virtual_pipeline=virtual_pipeline_model_parallel_size,
             sequence_parallel=sequence_parallel,
             context=context_parallel_size,
+            expert=expert_model_parallel_size,
         )
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise MegatronConfigError(f"`micro_batch_size` must be a positive integer, got {micro_batch_size!r}.")

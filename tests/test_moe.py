@@ -1,0 +1,148 @@
+"""Mixture of experts (``GPTModule(num_moe_experts=...)``, ``MegatronAppStrategy(expert_model_parallel_size=N)``):
+a Llama-shaped tiny MoE model (4 experts, top-2, every other layer dense in one case) trained with its experts split
+over ranks must follow one process's losses within 1e-3 (fp32, CPU, gloo's all-to-all), alone and with tensor
+(and sequence) parallelism, pipeline stages and the distributed optimizer; the router's load-balancing loss is
+logged and agrees across layouts; a checkpoint saved at one expert-parallel size resumes at another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import dpp_cases as dc
+import pytest
+from cases import fit_gpt
+
+from lightning_megatron import MegatronAppStrategy
+from lightning_megatron.errors import MegatronConfigError
+from lightning_megatron.models import GPTModule
+from lightning_megatron.strategy.graphs import declares_graph_safe_step
+from lightning_megatron.strategy.parallel import ParallelLayout
+
+MODEL = {"layer_spec": "sdpa", "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
+MODEL.update(dc.llama_model())
+TRAINER = {"val_check_interval": 3, "limit_val_batches": 2}
+LAYOUTS = {
+    "fused-kernels": (1, {"layer_spec": "sdpa+fused"}, {}),
+    "ep2": (2, {}, dict(expert_model_parallel_size=2)),
+    "ep2-allgather": (2, {"moe_token_dispatcher_type": "allgather"}, dict(expert_model_parallel_size=2)),
+    "ep2-tp2-sp": (4, {}, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+    "ep2-pp2": (4, {}, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    "ep2-distopt": (2, {}, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+    "ep2-pp2-zb": (4, {}, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, schedule="zb-h1")),
+    "ep2-pp2-dpp": (4, {}, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, schedule="dpp")),
+    "ep2-pp2-vpp2": (
+        4,
+        {},
+        dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(ranks: Any) -> dict[str, Any]:
+    return ranks.run(1, fit_gpt, 1, steps=3, model=MODEL, trainer=TRAINER)[0]
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_losses_equal_one_process(ranks: Any, one_process: dict[str, Any], layout: str) -> None:
+    world, model, strategy = LAYOUTS[layout]
+    want = one_process
+    # (another dispatcher, or the fused kernels: the same model, so the same losses as one process without them)
+    results = ranks.run(world, fit_gpt, world, steps=3, model={**MODEL, **model}, trainer=TRAINER, **strategy)
+    assert len(want["loss"]) == 3 and len(want["moe_aux_loss"]) == 3, want
+    for rank, got in enumerate(results):
+        for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
+            assert _close(a, b, 1e-3), f"{layout} rank {rank}: step {step} loss {a} vs {b}"
+        assert _close(got["val_loss"][-1], want["val_loss"][-1], 1e-3), (layout, rank, got["val_loss"])
+        for step, (a, b) in enumerate(zip(got["moe_aux_loss"], want["moe_aux_loss"], strict=True)):
+            assert _close(a, b, 1e-2), f"{layout} rank {rank}: step {step} load-balancing loss {a} vs {b}"
+
+
+def test_load_balancing_loss_is_logged_and_near_its_floor(one_process: dict[str, Any]) -> None:
+    # megatron-core's switch loss is E * sum_e(f_e * p_e) / topk: 1 when tokens and probabilities spread evenly.
+    aux = one_process["moe_aux_loss"]
+    assert all(0.9 < value < 2.0 for value in aux), aux
+
+
+STEPS, SAVE_EVERY = 6, 3
+
+
+def fit_saving(world_size: int, ckpt_dir: str, resume: Optional[str] = None, **strategy: Any) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_EVERY, save_top_k=-1)
+    trainer = {"enable_checkpointing": True, "limit_val_batches": 0}
+    return fit_gpt(
+        world_size, steps=STEPS, model=MODEL, trainer=trainer, callbacks=[saver], ckpt_path=resume, **strategy
+    )
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        ((2, {"expert_model_parallel_size": 2}), (1, {})),
+        ((1, {}), (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True})),
+    ],
+    ids=["ep2-to-ep1", "ep1-to-ep2-tp2"],
+)
+def test_checkpoint_resumes_at_another_expert_parallel_size(
+    ranks: Any, tmp_path: Path, saved: tuple[int, dict], resumed: tuple[int, dict]
+) -> None:
+    """Experts, router and optimizer state do not depend on how experts are split: a checkpoint saved at one
+    expert-parallel size continues at another as the uninterrupted run."""
+    full = ranks.run(saved[0], fit_saving, saved[0], str(tmp_path / "saved"), **saved[1])[0]
+    resume = str(tmp_path / "saved" / f"epoch=0-step={SAVE_EVERY}.ckpt")
+    results = ranks.run(resumed[0], fit_saving, resumed[0], str(tmp_path / "resumed"), resume, **resumed[1])
+    tail = full["loss"][SAVE_EVERY:]
+    for rank, got in enumerate(results):
+        assert got["global_step"] == STEPS and len(got["loss"]) == len(tail)
+        for step, (a, b) in enumerate(zip(got["loss"], tail), start=SAVE_EVERY + 1):
+            assert _close(a, b, 1e-3), f"rank {rank}: step {step} loss {a} != uninterrupted {b}"
+
+
+def test_moe_settings_are_checked() -> None:
+    with pytest.raises(MegatronConfigError, match="moe_router_topk=5"):
+        GPTModule(num_moe_experts=4, moe_router_topk=5)
+    with pytest.raises(MegatronConfigError, match="num_moe_experts=1"):
+        GPTModule(num_moe_experts=1)
+    with pytest.raises(MegatronConfigError, match="moe_layer_freq"):
+        GPTModule(num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0])
+    with pytest.raises(MegatronConfigError, match="moe_token_dispatcher_type"):
+        GPTModule(num_moe_experts=4, moe_token_dispatcher_type="flex")
+    with pytest.raises(MegatronConfigError, match="GPTModule\\(num_moe_experts=...\\)"):
+        GPTModule(transformer_config_overrides={"num_moe_experts": 4})
+    with pytest.raises(MegatronConfigError, match="expert_model_parallel_size"):
+        MegatronAppStrategy(expert_model_parallel_size=0)
+    with pytest.raises(MegatronConfigError, match="expert_model_parallel_size=4 must divide"):
+        ParallelLayout(tensor=2, expert=4).data_parallel_size(4)
+    assert ParallelLayout(tensor=2, expert=2).data_parallel_size(4) == 2
+    # the dropless dispatcher reads token counts on the host: no automatic CUDA graph
+    assert declares_graph_safe_step(GPTModule()) and not declares_graph_safe_step(GPTModule(num_moe_experts=4))
+
+
+def test_expert_parallel_needs_experts_that_split(ranks: Any) -> None:
+    with pytest.raises(Exception, match="num_moe_experts=3 does not split over expert_model_parallel_size=2"):
+        ranks.run(2, fit_gpt, 2, steps=1, model={**MODEL, "num_moe_experts": 3}, expert_model_parallel_size=2)
+    with pytest.raises(Exception, match="the model has none"):
+        ranks.run(2, fit_gpt, 2, steps=1, expert_model_parallel_size=2)
+    with pytest.raises(Exception, match="schedule='fbd' with num_moe_experts"):
+        ranks.run(2, fit_gpt, 2, steps=1, model=MODEL, pipeline_model_parallel_size=2, schedule="fbd")
+
+
+def test_a_stage_without_moe_layers_logs_the_same_load_balancing_loss(ranks: Any) -> None:
+    """``moe_layer_freq=[1, 1, 0, 0]`` at PP2: the second stage has no MoE layer; the losses and the logged
+    load-balancing loss (reduced over stages, averaged over the two MoE layers) equal one process's."""
+    model = {**MODEL, "moe_layer_freq": [1, 1, 0, 0]}
+    want = ranks.run(1, fit_gpt, 1, steps=2, model=model)[0]
+    results = ranks.run(
+        4, fit_gpt, 4, steps=2, model=model, pipeline_model_parallel_size=2, expert_model_parallel_size=2
+    )
+    for rank, got in enumerate(results):
+        for a, b in zip(got["loss"] + got["moe_aux_loss"], want["loss"] + want["moe_aux_loss"], strict=True):
+            assert _close(a, b, 1e-3), (rank, got, want)
