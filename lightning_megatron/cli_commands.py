@@ -114,7 +114,7 @@ _SCOPE_KINDS = ("gaussian", "uniform", "bitflip", "zero", "stuck")  # scope.pert
 
 def _layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", nargs="?", help="a checkpoint directory written by 'lightning-megatron fit'")
-    parser.add_argument("--hf", help="a local Hugging Face GPT-2 or Llama directory instead of a checkpoint")
+    parser.add_argument("--hf", help="a local Hugging Face GPT-2, Llama or Mixtral directory instead of a checkpoint")
     parser.add_argument("--tokenizer", help="override the tokenizer recorded in the run's config.yaml")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs, or CPU processes)")
     parser.add_argument(

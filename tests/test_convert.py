@@ -105,13 +105,39 @@ def _models() -> dict[str, Any]:
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
     )
-    return {"gpt2": (transformers.GPT2LMHeadModel, gpt2), "llama": (transformers.LlamaForCausalLM, llama)}
+    mixtral = transformers.MixtralConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=250,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
+    return {
+        "gpt2": (transformers.GPT2LMHeadModel, gpt2),
+        "llama": (transformers.LlamaForCausalLM, llama),
+        "mixtral": (transformers.MixtralForCausalLM, mixtral),
+    }
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def hf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _saved_model(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mixtral_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _saved_model("mixtral", tmp_path_factory)
+
+
+def _saved_model(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A random ``transformers`` model saved as safetensors, tokens, and its reference logits and loss."""
-    model_cls, config = _models()[request.param]
+    model_cls, config = _models()[name]
     torch.manual_seed(0)
     config.initializer_range = 0.2  # logits of order 1-10, so the tolerances mean something
     model = model_cls(config).eval()
@@ -119,13 +145,13 @@ def hf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         for param in model.parameters():
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
-    hf_dir = tmp_path_factory.mktemp(request.param)
+    hf_dir = tmp_path_factory.mktemp(name)
     model.save_pretrained(hf_dir, safe_serialization=True)
     sequence = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(input_ids=sequence[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), sequence[:, 1:].reshape(-1))
-    return {"dir": hf_dir, "sequence": sequence, "logits": logits, "loss": float(loss), "name": request.param}
+    return {"dir": hf_dir, "sequence": sequence, "logits": logits, "loss": float(loss), "name": name}
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
@@ -136,7 +162,27 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hf_forward_and_round_trip(ranks: Any, hf_model: dict[str, Any], layout: str, tmp_path: Path) -> None:
-    world_size, strategy = LAYOUTS[layout]
+    _check_forward_and_round_trip(ranks, hf_model, layout, *LAYOUTS[layout], tmp_path)
+
+
+MOE_LAYOUTS = {
+    "single": (1, {}),
+    "ep2": (2, {"expert_model_parallel_size": 2}),
+    "tp2-sp-ep2": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2}),
+    "pp2-ep2": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_mixtral_forward_and_round_trip(ranks: Any, mixtral_model: dict[str, Any], layout: str, tmp_path: Path) -> None:
+    """A Mixtral-style checkpoint (4 experts, top-2, GQA) with its experts split over ranks: the router picks the
+    same experts with the same weights, so logits match as for dense models, and export gives the same tensors."""
+    _check_forward_and_round_trip(ranks, mixtral_model, layout, *MOE_LAYOUTS[layout], tmp_path)
+
+
+def _check_forward_and_round_trip(
+    ranks: Any, hf_model: dict[str, Any], layout: str, world_size: int, strategy: dict[str, Any], tmp_path: Path
+) -> None:
     out_dir = tmp_path / "export"
     results = ranks.run(
         world_size, convert_and_export, world_size, str(hf_model["dir"]), str(out_dir), hf_model["sequence"], **strategy

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (GPT-2, Llama) to and from ``GPTModule``, at any tensor/pipeline layout.
+"""Hugging Face checkpoints (GPT-2, Llama, Mixtral) to and from ``GPTModule``, at any tensor/pipeline/expert layout.
 
 Shards are located through megatron-core's sharded state dict, as ``models.init`` does: every
 ``ShardedTensor`` of a chunk names a *global* tensor (``key``, ``global_shape``, with ``prepend_axis_num``
@@ -16,6 +16,12 @@ Layouts that differ between the two worlds:
 * GPT-2 stores its linear layers as ``Conv1D`` (``[in, out]``, transposed).
 * ``GPTModule`` pads the vocabulary to ``make_vocab_size_divisible_by``: padding rows are zeros on import
   and stripped on export.
+* Mixtral's experts (``block_sparse_moe.experts.{e}.w1/w3/w2``, the layout ``save_pretrained`` writes) are one
+  global tensor per layer in megatron-core, with a leading expert axis (``experts.experts.linear_fc1`` is
+  ``[gate; up]`` per expert). Its router (softmax over all experts, top-k, weights renormalized over the k) is
+  megatron-core's default top-k router (top-k over the logits, softmax over the k): the same weights.
+* Models whose layers differ (``moe_layer_freq`` other than 1) have the layer number in their keys
+  (``decoder.layers.3.mlp...``) instead of a leading layer axis; both are read.
 
 Dependencies run one way: this module uses ``models.sharding`` and never imports ``models.gpt``, whose
 ``GPTModule(hf_checkpoint=...)`` calls ``load_hf_weights_``.
@@ -24,7 +30,9 @@ Dependencies run one way: this module uses ``models.sharding`` and never imports
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -84,6 +92,18 @@ def hf_config_to_gpt_kwargs(config: dict[str, Any]) -> dict[str, Any]:
             init_method_std=config.get("initializer_range", 0.02),
             mask_padded_vocab=True,
         )
+    if model_type == "mixtral":
+        if config.get("sliding_window") not in (None, 0) and config["sliding_window"] < config.get(
+            "max_position_embeddings", 2048
+        ):
+            raise NotImplementedError("Mixtral checkpoints with a sliding attention window are not supported.")
+        experts = dict(
+            num_moe_experts=config["num_local_experts"],
+            moe_router_topk=config.get("num_experts_per_tok", 2),
+            moe_ffn_hidden_size=config["intermediate_size"],
+            moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
+        )
+        return {**hf_config_to_gpt_kwargs({**config, "model_type": "llama"}), **experts}
     if model_type == "llama":
         if config.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"Llama hidden_act={config['hidden_act']!r} is not supported (only silu).")
@@ -112,19 +132,26 @@ def hf_config_to_gpt_kwargs(config: dict[str, Any]) -> dict[str, Any]:
             init_method_std=config.get("initializer_range", 0.02),
             mask_padded_vocab=True,
         )
-    raise NotImplementedError(f"model_type={model_type!r} is not supported; choose a 'gpt2' or 'llama' checkpoint.")
+    raise NotImplementedError(
+        f"model_type={model_type!r} is not supported; choose a 'gpt2', 'llama' or 'mixtral' checkpoint."
+    )
 
 
 def _model_type(hp: dict[str, Any]) -> str:
     if hp["position_embedding_type"] == "learned_absolute" and hp["normalization"] == "LayerNorm":
         if hp["activation"] in ("gelu", "gelu_tanh") and hp["add_bias_linear"]:
             return "gpt2"
+    experts = hp.get("num_moe_experts")
     if hp["position_embedding_type"] == "rope" and hp["normalization"] == "RMSNorm":
         if hp["activation"] == "swiglu" and not hp["add_bias_linear"]:
-            return "llama"
+            if experts is None:
+                return "llama"
+            if hp.get("moe_layer_freq", 1) == 1:
+                return "mixtral"
     raise NotImplementedError(
-        "Only GPT-2 style (learned positions, LayerNorm, gelu, biases) and Llama style (RoPE, RMSNorm, swiglu, "
-        "no biases) GPTModules can be exported to Hugging Face."
+        "Only GPT-2 style (learned positions, LayerNorm, gelu, biases), Llama style (RoPE, RMSNorm, swiglu, no "
+        "biases) and Mixtral style (Llama with an MoE layer in every layer) GPTModules can be exported to Hugging "
+        "Face."
     )
 
 
@@ -153,7 +180,9 @@ def gpt_kwargs_to_hf_config(hp: dict[str, Any], base: Optional[dict[str, Any]] =
             attn_pdrop=hp["attention_dropout"],
         )
     else:
-        config["architectures"] = ["LlamaForCausalLM"]
+        config["architectures"] = ["MixtralForCausalLM" if model_type == "mixtral" else "LlamaForCausalLM"]
+        # A base config that leaves head_dim unset (None: hidden / heads, as Mixtral's does) keeps it unset.
+        default_head_dim = "head_dim" in config and config["head_dim"] is None and not hp.get("kv_channels")
         config.update(
             max_position_embeddings=hp["seq_length"],
             num_hidden_layers=hp["num_layers"],
@@ -161,13 +190,21 @@ def gpt_kwargs_to_hf_config(hp: dict[str, Any], base: Optional[dict[str, Any]] =
             num_attention_heads=heads,
             num_key_value_heads=hp.get("num_query_groups") or heads,
             intermediate_size=hp.get("ffn_hidden_size") or 4 * hidden,
-            head_dim=hp.get("kv_channels") or hidden // heads,
+            head_dim=None if default_head_dim else hp.get("kv_channels") or hidden // heads,
             hidden_act="silu",
             rms_norm_eps=hp["layernorm_epsilon"],
             attention_dropout=hp["attention_dropout"],
-            attention_bias=False,
-            mlp_bias=False,
         )
+        if model_type == "mixtral":
+            config.update(
+                intermediate_size=hp.get("moe_ffn_hidden_size") or config["intermediate_size"],
+                num_local_experts=hp["num_moe_experts"],
+                num_experts_per_tok=hp.get("moe_router_topk", 2),
+                router_aux_loss_coef=hp.get("moe_aux_loss_coeff", 0.0),
+            )
+            config.setdefault("sliding_window", None)
+        else:
+            config.update(attention_bias=False, mlp_bias=False)
         if "rope_parameters" in config or "rope_theta" not in config:
             config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "rope_theta": hp["rotary_base"]}
             config["rope_parameters"].setdefault("rope_type", "default")
@@ -203,8 +240,8 @@ class _Rule:
     ) -> None:
         self.hf, self.to_megatron, self.from_megatron = tuple(hf), to_megatron, from_megatron
 
-    def names(self, layer: Optional[int]) -> list[str]:
-        return [name.format(i=layer) for name in self.hf]
+    def names(self, layer: Optional[int], expert: Optional[int] = None) -> list[str]:
+        return [name.format(i=layer, e=expert) for name in self.hf]
 
 
 def _t(t: torch.Tensor) -> torch.Tensor:
@@ -267,6 +304,21 @@ def _rules(hp: dict[str, Any]) -> dict[str, _Rule]:
             ),
             "mlp.linear_fc2.weight": _Rule([p + "mlp.down_proj.weight"]),
         }
+        if model_type == "mixtral":
+            moe = p + "block_sparse_moe."
+            for key in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
+                del layer[key]
+            layer.update(
+                {
+                    "mlp.router.weight": _Rule([moe + "gate.weight"]),
+                    "mlp.experts.experts.linear_fc1.weight": _Rule(
+                        [moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight"],
+                        lambda gate, up: torch.cat([gate, up], dim=0),
+                        lambda t: t.chunk(2, dim=0),
+                    ),
+                    "mlp.experts.experts.linear_fc2.weight": _Rule([moe + "experts.{e}.w2.weight"]),
+                }
+            )
     # The local layer spec maps its norms to Transformer Engine's fused names in the sharded state dict.
     for norm, fused in (
         ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
@@ -331,21 +383,49 @@ def _chunk_list(module_or_chunks: Any) -> list[torch.nn.Module]:
     return [unwrap_model(chunk) for chunk in chunks]
 
 
-def _local_pieces(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[ShardedTensor, Optional[int], tuple]]:
-    """Each sharded tensor of ``chunks`` with its global layer number and the slice of the global tensor it holds."""
+_NUMBERED_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Where one sharded tensor of this rank lies: the rule's key (``decoder.layers.`` keys without a layer number),
+    its global layer and expert (None where the tensor has none), the global tensor's shape past those axes, and
+    the slice of it this rank holds."""
+
+    sharded: ShardedTensor
+    key: str
+    layer: Optional[int]
+    expert: Optional[int]
+    shape: tuple[int, ...]
+    index: tuple[slice, ...]
+
+
+def _local_pieces(chunks: Sequence[torch.nn.Module]) -> Iterator[_Piece]:
+    """Each sharded tensor of ``chunks`` with its global layer (and expert) number and the slice it holds.
+
+    The leading (``prepend_axis_num``) axes are the layer (stacked layers) and then the expert (an MoE layer's
+    experts); a key with the layer number in it (``decoder.layers.3.``, non-homogeneous layers) has no layer
+    axis."""
     for chunk in chunks:
         for sharded in sharded_tensors(chunk.sharded_state_dict()):
             if sharded.flattened_range is not None:
                 raise NotImplementedError(f"{sharded.key}: flattened (distributed-optimizer) shards are not supported.")
+            key, offsets = sharded.key, list(sharded.global_offset[: sharded.prepend_axis_num])
+            numbered = _NUMBERED_LAYER.match(key)
+            if numbered:
+                layer: Optional[int] = int(numbered.group(1))
+                key = _LAYERS + numbered.group(2)
+            else:
+                layer = offsets.pop(0) if offsets else None
+            expert = offsets.pop(0) if ".experts.experts." in key and offsets else None
+            if offsets:
+                raise NotImplementedError(f"{sharded.key}: {sharded.prepend_axis_num} leading axes are not supported.")
             prepend = sharded.prepend_axis_num
-            if prepend > 1:
-                raise NotImplementedError(f"{sharded.key}: {prepend} leading axes (experts?) are not supported.")
-            layer = sharded.global_offset[0] if prepend else None
             index = tuple(
                 slice(offset, offset + size)
                 for offset, size in zip(sharded.global_offset[prepend:], sharded.data.shape)
             )
-            yield sharded, layer, index
+            yield _Piece(sharded, key, layer, expert, tuple(sharded.global_shape[prepend:]), index)
 
 
 def _pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -369,33 +449,37 @@ def load_hf_weights_(chunks: Sequence[torch.nn.Module], hf_dir: Union[str, Path]
     rules = _rules(hf_config_to_gpt_kwargs(config))
     reader = _HFReader(hf_dir)
     tied = config.get("tie_word_embeddings", config.get("model_type") == "gpt2")
-    cache: dict[tuple[str, Optional[int]], torch.Tensor] = {}
-    for sharded, layer, index in _local_pieces(chunks):
-        key = sharded.key
-        if (key, layer) not in cache:
+    cache: dict[tuple[str, Optional[int], Optional[int]], torch.Tensor] = {}
+    for piece in _local_pieces(chunks):
+        key, layer, where = piece.key, piece.layer, (piece.key, piece.layer, piece.expert)
+        if where not in cache:
             if key not in rules:
                 raise KeyError(f"No Hugging Face counterpart for megatron-core tensor {key!r}.")
             rule = rules[key]
             if key == "output_layer.weight" and (tied or reader.resolve("lm_head.weight") is None):
                 rule = rules["embedding.word_embeddings.weight"]
-            full = rule.to_megatron(*(reader.get(name) for name in rule.names(layer)))
+            full = rule.to_megatron(*(reader.get(name) for name in rule.names(layer, piece.expert)))
             if key in _VOCAB_KEYS:
-                full = _pad_vocab(full, sharded.global_shape[0])
-            expected = tuple(sharded.global_shape[sharded.prepend_axis_num :])
-            if tuple(full.shape) != expected:
-                raise ValueError(f"{key} (layer {layer}): checkpoint gives {tuple(full.shape)}, model has {expected}.")
+                full = _pad_vocab(full, piece.shape[0])
+            if tuple(full.shape) != piece.shape:
+                raise ValueError(
+                    f"{key} (layer {layer}): checkpoint gives {tuple(full.shape)}, model has {piece.shape}."
+                )
             cache.clear()  # pieces of one global tensor come in a row; keep just that one
-            cache[(key, layer)] = full
-        sharded.data.copy_(cache[(key, layer)][index])
+            cache[where] = full
+        piece.sharded.data.copy_(cache[where][piece.index])
 
 
 # -- export ---------------------------------------------------------------------------------------
-def _gather_global(chunks: Sequence[torch.nn.Module]) -> Optional[dict[tuple[str, Optional[int]], torch.Tensor]]:
+_Where = tuple[str, Optional[int], Optional[int]]  # (rule key, layer, expert)
+
+
+def _gather_global(chunks: Sequence[torch.nn.Module]) -> Optional[dict[_Where, torch.Tensor]]:
     """The full global tensors on global rank 0 (``None`` elsewhere): each main-replica piece is sent once."""
     pieces = [
-        (s.key, layer, index, tuple(s.global_shape[s.prepend_axis_num :]), s.data.detach().cpu().clone())
-        for s, layer, index in _local_pieces(chunks)
-        if is_main_replica(s.replica_id)
+        ((p.key, p.layer, p.expert), p.index, p.shape, p.sharded.data.detach().cpu().clone())
+        for p in _local_pieces(chunks)
+        if is_main_replica(p.sharded.replica_id)
     ]
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     if dist:
@@ -406,9 +490,9 @@ def _gather_global(chunks: Sequence[torch.nn.Module]) -> Optional[dict[tuple[str
         if torch.distributed.get_rank() != 0:
             return None
         pieces = [piece for rank_pieces in gathered for piece in rank_pieces]
-    tensors: dict[tuple[str, Optional[int]], torch.Tensor] = {}
-    for key, layer, index, shape, data in pieces:
-        full = tensors.setdefault((key, layer), torch.zeros(shape, dtype=data.dtype))
+    tensors: dict[_Where, torch.Tensor] = {}
+    for where, index, shape, data in pieces:
+        full = tensors.setdefault(where, torch.zeros(shape, dtype=data.dtype))
         full[index] = data
     return tensors
 
@@ -448,7 +532,7 @@ def export_hf(
         return
     out: _Tensors = {}
     tied = hp["share_embeddings_and_output_weights"]
-    for (key, layer), full in global_tensors.items():
+    for (key, layer, expert), full in global_tensors.items():
         if key == "output_layer.weight" and tied:
             continue
         if key not in rules:
@@ -456,7 +540,7 @@ def export_hf(
         if key in _VOCAB_KEYS:
             full = full[: hp["vocab_size"]]
         rule = rules[key]
-        for name, tensor in zip(rule.names(layer), rule.from_megatron(full)):
+        for name, tensor in zip(rule.names(layer, expert), rule.from_megatron(full)):
             out[name] = tensor.to(dtype or tensor.dtype).contiguous()
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)

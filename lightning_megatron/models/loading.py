@@ -8,7 +8,7 @@ config)`` on every rank the Trainer runs (Lightning launches the other ranks its
 ``devices > 1``, as for ``fit``). A checkpoint written by ``lightning-megatron fit`` carries its
 ``config.yaml``: which model class to build (``model.class_path`` / ``init_args``), the tokenizer of its
 data and the precision; its shards load at any layout through the strategy (a one-batch validation).
-``hf`` is a local Hugging Face GPT-2 or Llama directory (``config.json``, safetensors, tokenizer files).
+``hf`` is a local Hugging Face GPT-2, Llama or Mixtral directory (``config.json``, safetensors, tokenizer files).
 """
 
 from __future__ import annotations
