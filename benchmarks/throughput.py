@@ -117,6 +117,37 @@ MODELS: dict[str, dict[str, Any]] = {
         num_microbatches=4,
         layouts={"1gpu": (1, 1, 1)},
     ),
+    # Mixtral-style (Llama with 8 experts, top-2, in every layer): 1.2B parameters, 0.4B active per token. At one GPU
+    # and DP2; expert parallelism is a variant (--variants '{"-ep2": {"strategy_options":
+    # {"expert_model_parallel_size": 2}}}'). Its dense peer of equal active FLOPs is "llama-moe-active".
+    "mixtral-1.2b": dict(
+        style="llama",
+        num_layers=16,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=2816,
+        moe=dict(num_moe_experts=8, moe_router_topk=2),
+        seq_length=2048,
+        vocab_size=32000,
+        micro_batch_size=4,
+        num_microbatches=4,
+        layouts={"1gpu": (1, 1, 1), "dp2": (2, 1, 1)},
+    ),
+    # The dense model a token of "mixtral-1.2b" costs as much as: each MLP the width of its two experts together.
+    "llama-moe-active": dict(
+        style="llama",
+        num_layers=16,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=2 * 2816,
+        seq_length=2048,
+        vocab_size=32000,
+        micro_batch_size=4,
+        num_microbatches=4,
+        layouts={"1gpu": (1, 1, 1), "dp2": (2, 1, 1)},
+    ),
     "gpt-1.3b": dict(
         num_layers=24,
         hidden_size=2048,
@@ -151,6 +182,7 @@ DRY_RUN_LLAMA = dict(
     num_microbatches=2,
     layouts={"1gpu": (1, 1, 1)},
 )
+DRY_RUN_MOE = {**DRY_RUN_LLAMA, "moe": dict(num_moe_experts=4, moe_router_topk=2), "layouts": {"dp2": (2, 1, 1)}}
 RUNNERS = ["strategy-local", "strategy-sdpa", "mcore-local", "mcore-sdpa", "hf", "hf-bf16"]
 # The plain PyTorch peers of the FP8 runs (torchtitan's way: compiled blocks, torchao float8), by name only.
 PEERS = ["hf-compile", *(f"hf-fp8-{recipe}" for recipe in PEER_RECIPES)]
@@ -168,11 +200,15 @@ def _check_runners(runners: list[str]) -> None:
 
 
 def model_flops_per_step(m: dict[str, Any], global_batch: int) -> float:
-    """Megatron-LM's ``num_floating_point_operations`` for a dense GPT (GQA, SwiGLU, vocab padded to 128)."""
+    """Megatron-LM's ``num_floating_point_operations`` for a GPT (GQA, SwiGLU, vocab padded to 128); for an MoE model
+    the MLP FLOPs a token really costs (its ``moe_router_topk`` experts, as Megatron-LM counts them) and the router."""
     h, layers, s = m["hidden_size"], m["num_layers"], m["seq_length"]
     heads = m["num_attention_heads"]
     groups = m.get("num_query_groups") or heads
     ffn = m.get("ffn_hidden_size") or 4 * h
+    moe = m.get("moe") or {}
+    if moe:  # the experts a token goes to, plus the router's [h, experts] GEMM (a third of a two-GEMM MLP's share)
+        ffn = moe.get("moe_ffn_hidden_size", ffn) * moe["moe_router_topk"] + moe["num_moe_experts"] / 3
     gated = 1.5 if is_llama(m) else 1.0  # SwiGLU: three ffn-wide GEMMs instead of two
     vocab = -(-m["vocab_size"] // 128) * 128
     attention = 1 + groups / heads + s / h
@@ -342,7 +378,8 @@ def main() -> int:
     import torch
 
     accelerator = "cpu" if args.cpu_dry_run else "gpu"
-    models = {"dry-run": DRY_RUN_MODEL, "dry-run-llama": DRY_RUN_LLAMA} if args.cpu_dry_run else MODELS
+    dry_runs = {"dry-run": DRY_RUN_MODEL, "dry-run-llama": DRY_RUN_LLAMA, "dry-run-moe": DRY_RUN_MOE}
+    models = dry_runs if args.cpu_dry_run else MODELS
     available = 2 if args.cpu_dry_run else torch.cuda.device_count()
     report = {
         "what": "training throughput, bf16 (float8 GEMMs where a run says so), synthetic tokens; median step after warm-up",
@@ -377,6 +414,7 @@ def main() -> int:
                     (runner, label, _variant_options(options, extra, runner))
                     for runner in args.runners
                     if not (runner.startswith("hf") and gpus > 1)  # the transformers baseline is single-GPU
+                    and not (model.get("moe") and not runner.startswith("strategy"))  # MoE: GPTModule only
                     for label, extra in (variants.items() if not runner.startswith("hf") else [("", {})])
                 ]
                 done = len(rounds.get(f"{name}/{layout}/{cases[0][0]}{cases[0][1]}", [])) if cases else 0

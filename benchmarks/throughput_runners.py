@@ -83,6 +83,7 @@ def _gpt_module_shape(m: dict[str, Any]) -> dict[str, Any]:
             normalization="RMSNorm",
             activation="swiglu",
             add_bias_linear=False,
+            **(m.get("moe") or {}),  # experts: GPTModule's MoE arguments (the strategy runners only)
         )
     return shape | dict(activation="gelu_tanh")  # GPT-2's GeLU (fused with its bias on GPUs, as in the mcore runner)
 

@@ -146,3 +146,43 @@ def test_a_stage_without_moe_layers_logs_the_same_load_balancing_loss(ranks: Any
     for rank, got in enumerate(results):
         for a, b in zip(got["loss"] + got["moe_aux_loss"], want["loss"] + want["moe_aux_loss"], strict=True):
             assert _close(a, b, 1e-3), (rank, got, want)
+
+
+def test_grouped_gemm_experts_follow_the_sequential_ones(ranks: Any) -> None:
+    """``moe_grouped_gemm=True`` (``torch._grouped_mm``, bf16 on CPUs too): the same model and parameters, so the
+    bf16 fits follow the sequential experts' within bf16 rounding, at one process and at EP2 (two local experts
+    each), and both give the same checkpointable parameter names."""
+    bf16 = dict(precision="bf16-mixed", steps=3)
+    want = ranks.run(1, fit_gpt, 1, model=MODEL, **bf16)[0]
+    for world, strategy in ((1, {}), (2, {"expert_model_parallel_size": 2})):
+        for rank, got in enumerate(
+            ranks.run(world, fit_gpt, world, model={**MODEL, "moe_grouped_gemm": True}, **bf16, **strategy)
+        ):
+            for a, b in zip(got["loss"], want["loss"], strict=True):
+                assert _close(a, b, 2e-2), (world, rank, got["loss"], want["loss"])
+    with pytest.raises(MegatronConfigError, match="add_bias_linear=False"):
+        GPTModule(num_moe_experts=4, moe_grouped_gemm=True, add_bias_linear=True)
+
+
+def test_throughput_dry_run_at_ep2_with_grouped_experts(tmp_path: Path) -> None:
+    """``benchmarks/throughput.py``'s MoE model on CPUs (its GPU runs: docs/guides/moe.md): an EP2 variant with
+    grouped experts measures steps and model FLOPs counting the active experts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "throughput.json"
+    variants = {
+        "-ep2": {"strategy_options": {"expert_model_parallel_size": 2}, "module_options": {"moe_grouped_gemm": True}}
+    }
+    command = [sys.executable, str(root / "benchmarks/throughput.py"), "--cpu-dry-run", "--only", "dry-run-moe/dp2"]
+    command += ["--runners", "strategy-sdpa", "hf", "--variants", json.dumps(variants), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["dry-run-moe/dp2/strategy-sdpa-ep2"], runs  # no transformers peer for MoE models
+    run = runs["dry-run-moe/dp2/strategy-sdpa-ep2"]
+    assert run["tokens_per_second"] > 0 and run["model_tflops_per_gpu"] > 0, run

@@ -161,8 +161,10 @@ class GPTModule(MegatronLightningModule):
             each rank sends each expert only its tokens) or ``"allgather"`` (every rank gathers all tokens).
         moe_layer_freq: Which layers are MoE layers: every N-th (``1``: all; ``2``: layers 0, 2, ...) or a list of
             0/1, one per layer.
-        moe_grouped_gemm: Run each rank's experts as grouped GEMMs (megatron-core's ``GroupedMLP``; needs the
-            ``grouped_gemm`` package) instead of one GEMM per expert in turn (``SequentialMLP``, the default).
+        moe_grouped_gemm: Run each rank's experts as two grouped GEMMs (``torch._grouped_mm``, bf16;
+            ``layers.grouped_experts``) instead of two GEMMs per expert in turn (megatron-core's ``SequentialMLP``,
+            the default). The same parameters and checkpoints; needs ``add_bias_linear=False``. Off by default until
+            measured on GPUs.
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
             ``{"recompute_modules": ["core_attn", "mlp"]}``), applied last; unknown names are an error, and so
             are the three recompute fields above (pass them as arguments).
@@ -241,6 +243,7 @@ class GPTModule(MegatronLightningModule):
             moe_token_dispatcher_type=moe_token_dispatcher_type,
             moe_layer_freq=moe_layer_freq,
             moe_grouped_gemm=moe_grouped_gemm,
+            add_bias_linear=add_bias_linear,
             num_layers=num_layers,
             ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
             overrides=transformer_config_overrides,
@@ -335,6 +338,7 @@ class GPTModule(MegatronLightningModule):
                 self.hparams.layer_spec,
                 config,
                 vp_stage=stage.vp_stage,
+                grouped_experts=bool(self._moe) and self.hparams.moe_grouped_gemm,
                 **self._fused_layer_kernels(),
             ),
             vocab_size=self.padded_vocab_size,

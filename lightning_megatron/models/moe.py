@@ -64,11 +64,14 @@ def check_moe(
     moe_token_dispatcher_type: str,
     moe_layer_freq: Union[int, list[int]],
     moe_grouped_gemm: bool,
+    add_bias_linear: bool,
     num_layers: int,
     ffn_hidden_size: int,
     overrides: Optional[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The ``TransformerConfig`` fields of these settings (none without experts), or a ``MegatronConfigError``
+    """The ``TransformerConfig`` fields of these settings (none without experts; ``moe_grouped_gemm`` is this
+    package's, chosen in the layer spec: megatron-core's field of that name selects its deprecated ``GroupedMLP``),
+    or a ``MegatronConfigError``
     naming the parameter. Needs only the module's arguments: ``GPTModule.__init__`` runs it before any process."""
     named = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff")
     named += ("moe_token_dispatcher_type", "moe_layer_freq", "moe_grouped_gemm")
@@ -98,6 +101,13 @@ def check_moe(
             "needs DeepEP)."
         )
     moe_layer_pattern(num_layers, moe_layer_freq)
+    if moe_grouped_gemm not in (True, False):
+        raise MegatronConfigError(f"moe_grouped_gemm={moe_grouped_gemm!r}: true or false.")
+    if moe_grouped_gemm and add_bias_linear:
+        raise MegatronConfigError(
+            "moe_grouped_gemm=True runs the experts' GEMMs without biases: set add_bias_linear=False, or "
+            "moe_grouped_gemm=False."
+        )
     return {
         "num_moe_experts": num_moe_experts,
         "moe_router_topk": moe_router_topk,
@@ -105,7 +115,6 @@ def check_moe(
         "moe_aux_loss_coeff": moe_aux_loss_coeff,
         "moe_token_dispatcher_type": moe_token_dispatcher_type,
         "moe_layer_freq": moe_layer_freq,
-        "moe_grouped_gemm": moe_grouped_gemm,
     }
 
 

@@ -78,8 +78,10 @@ def gpt_block_spec(
     fused_norms: bool = False,
     fused_bias_grad: bool = False,
     fused_residual_norm: bool = False,
+    grouped_experts: bool = False,
 ) -> ModuleSpec:
-    """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
+    """The decoder block spec for this rank's pipeline stage (and virtual stage). ``grouped_experts``: MoE layers'
+    experts as grouped GEMMs (``layers.grouped_experts``) instead of megatron-core's ``SequentialMLP``."""
     if name.endswith("+fused"):
         name = name[: -len("+fused")]  # type: ignore[assignment]
         fused_norms = fused_bias_grad = fused_residual_norm = True
@@ -114,6 +116,7 @@ def gpt_block_spec(
             fused_norms=fused_norms,
             fused_bias_grad=fused_bias_grad,
             fused_residual_norm=fused_residual_norm,
+            grouped_experts=grouped_experts,
         )
 
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
@@ -143,15 +146,19 @@ def _local_layer_spec(
     fused_norms: bool,
     fused_bias_grad: bool,
     fused_residual_norm: bool,
+    grouped_experts: bool = False,
 ) -> ModuleSpec:
     """megatron-core's local layer (an MoE layer with ``num_experts``) with this package's norms, kernels and
     attention. An MoE layer's experts keep megatron-core's linears: ``fused_bias_grad`` reaches its attention and
     bias-dropout-adds only."""
-    layer = get_gpt_layer_local_spec(
-        num_experts=num_experts,
-        moe_grouped_gemm=bool(config.moe_grouped_gemm) if num_experts else False,
-        normalization=config.normalization,
-    )
+    layer = get_gpt_layer_local_spec(num_experts=num_experts, normalization=config.normalization)
+    if num_experts and grouped_experts:
+        from lightning_megatron.layers.grouped_experts import GroupedGemmExperts
+
+        moe = layer.submodules.mlp
+        experts = dataclasses.replace(moe.submodules.experts, module=GroupedGemmExperts)
+        mlp = dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, experts=experts))
+        layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
     norm: Any = ModuleSpec(module=SequenceParallelNorm, params={"fused": True}) if fused_norms else SequenceParallelNorm
     submodules = dataclasses.replace(layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
     if fused_bias_grad:
