@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import dpp_cases as dc
+import lightning.pytorch as pl
 import pytest
 from cases import fit_gpt
 
@@ -186,3 +187,39 @@ def test_throughput_dry_run_at_ep2_with_grouped_experts(tmp_path: Path) -> None:
     assert list(runs) == ["dry-run-moe/dp2/strategy-sdpa-ep2"], runs  # no transformers peer for MoE models
     run = runs["dry-run-moe/dp2/strategy-sdpa-ep2"]
     assert run["tokens_per_second"] > 0 and run["model_tflops_per_gpu"] > 0, run
+
+
+def test_float8_keeps_the_experts_in_bf16(ranks: Any) -> None:
+    """``fp8_recipe`` with MoE layers: attention and dense layers in float8 (emulated on CPUs), the experts in bf16
+    (their token counts change every step and can be zero); at EP2 the losses stay within float8's 2e-2 of bf16."""
+    model = {**MODEL, "hidden_size": 64, "moe_ffn_hidden_size": 64, "ffn_hidden_size": 128, "moe_layer_freq": 2}
+
+    want = ranks.run(2, fit_gpt, 2, steps=3, precision="bf16-mixed", model=model, expert_model_parallel_size=2)[0]
+    got = ranks.run(
+        2,
+        fit_gpt,
+        2,
+        steps=3,
+        precision="bf16-mixed",
+        model=model,
+        probe=kept_in_bf16,
+        callbacks=[KeptInBf16()],
+        expert_model_parallel_size=2,
+        fp8_recipe="tensorwise",
+    )[0]
+    experts = [name for name, why in got["probe"].items() if why.startswith("an MoE expert")]
+    assert experts and all(".experts." in name for name in experts), got["probe"]
+    for a, b in zip(got["loss"], want["loss"], strict=True):
+        assert _close(a, b, 2e-2), (got["loss"], want["loss"])
+
+
+class KeptInBf16(pl.Callback):
+    """Notes, while the fit runs, which linear layers ``fp8_recipe`` left in bf16 (and why) on the module."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.kept_in_bf16 = dict(trainer.strategy.tp_layers.split_linears.kept_high_precision)
+
+
+def kept_in_bf16(module: Any) -> dict[str, str]:
+    """(A probe, run in the rank after the fit:) what :class:`KeptInBf16` noted."""
+    return module.kept_in_bf16

@@ -111,14 +111,15 @@ class TensorParallelLayers:
 
 
 def _announce_float8(float8: Float8Recipe, linears: Any) -> None:
-    """Say once which layers stay in bf16 (the output layer by design; others because of their shapes)."""
+    """Say once which layers stay in bf16 because of their shapes (the output layer and MoE experts by design)."""
     if not linears.float8_modules:
         raise MegatronConfigError(
             f"`fp8_recipe={float8.name!r}` found no megatron-core ColumnParallelLinear/RowParallelLinear to run in "
             "float8 (Transformer Engine layers, or the model config's `gradient_accumulation_fusion`, which keeps "
             "megatron-core's apex path). Use the local layer spec (`layer_spec='local'` or 'sdpa') or unset it."
         )
-    shapes = {name: why for name, why in linears.kept_high_precision.items() if why != "the output layer"}
+    by_design = ("the output layer", "an MoE expert")
+    shapes = {name: why for name, why in linears.kept_high_precision.items() if not why.startswith(by_design)}
     if shapes:
         listed = "; ".join(f"{name}: {why}" for name, why in list(shapes.items())[:4])
         rank_zero_warn(

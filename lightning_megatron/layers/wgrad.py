@@ -173,8 +173,9 @@ def split_linears(
     communication is also overlapped with their GEMMs. ``accumulate=False``: outside a :func:`~.wgrad_accumulate.collecting` stash
     the weight gradient goes back through autograd as in megatron-core (no fused ``main_grad`` accumulation; for
     ``tp_comm_overlap`` without ``gradient_accumulation_fusion``). ``float8``: the layers' GEMMs in float8 (not
-    with ``overlap``), except the output layer's (the logits stay bf16, as Transformer Engine keeps them) and, on
-    GPUs, layers whose shard ``torch._scaled_mm`` cannot take. A layer already changed (by an earlier call) is
+    with ``overlap``), except the output layer's (the logits stay bf16, as Transformer Engine keeps them), MoE experts'
+    (tokens per expert change every step and can be zero, which a tensorwise scale has no value for) and, on GPUs,
+    layers whose shard ``torch._scaled_mm`` cannot take. A layer already changed (by an earlier call) is
     left as it is.
     """
     modules, float8_modules, kept = [], [], {}
@@ -194,6 +195,8 @@ def split_linears(
                 in_float8 = None
                 if float8 is not None:
                     why = "the output layer" if id(module) in outputs else None
+                    if why is None and getattr(module, "is_expert", False):
+                        why = "an MoE expert (its token count changes every step, and can be zero)"
                     if why is None and not float8.emulate:
                         why = float8_shape_problem(module)
                     if why is None:
