@@ -1,32 +1,27 @@
-"""Functions that run inside forked ranks for ``test_scan_moe.py``: MoE fits under MegaScan, clean or with one
-rank's CPU loaded by ``stress-ng`` (a fault source the project did not write, ``benchmarks/outside_faults.py``)."""
+"""Functions that run inside forked ranks for ``test_scan_moe.py``: MoE fits under MegaScan, clean or with one rank
+under a CPU limit (the kernel's CFS bandwidth control, what a container's CPU limit is: a fault source the project
+did not write, ``benchmarks/outside_faults.CpuQuota``).
+
+Why a limit and not ``stress-ng`` on the rank's CPU: on a machine whose other processes may run on any CPU, the
+kernel moves them away from the CPU that ``stress-ng`` loads, onto the other rank's, and both ranks slow alike (seen
+on the 2-core test machine: equal compute and run-queue delay on both ranks). A limit stops the process itself,
+whatever runs elsewhere."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import cases
-import torch
 import torch.distributed as dist
 
 from lightning_megatron.scan import MegaScan
 
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "num_layers": 2}
+QUOTA_CPUS, QUOTA_PERIOD_MS = 0.15, 10.0  # a container's CPU limit, in short periods: every span is hit alike
 CPU_THRESHOLDS = {"min_slowdown": 0.3, "min_impact": 0.05}  # one core per rank, but a shared machine
-
-
-def pin_rank() -> None:
-    """Each rank on a CPU of its own (where there are as many as ranks), one thread: a fault on one rank's CPU then
-    competes with that rank alone, as a competitor on one GPU competes with that GPU's rank alone."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) >= world:
-        os.sched_setaffinity(0, [cpus[rank * (len(cpus) // world)]])
-    torch.set_num_threads(1)
 
 
 def moe_fit(
@@ -34,22 +29,19 @@ def moe_fit(
     world: int,
     *,
     steps: int = 10,
-    stress_rank: Optional[int] = None,
-    pin: bool = True,
+    quota_rank: Optional[int] = None,
     model: Optional[dict[str, Any]] = None,
     **layout: Any,
 ) -> dict[str, Any]:
-    """An MoE fit traced on every step; ``stress_rank``: stress-ng on that rank's CPU from step 1 on."""
-    if pin:
-        pin_rank()
+    """An MoE fit traced on every step; ``quota_rank``: that rank limited to ``QUOTA_CPUS`` CPUs from step 1 on."""
     original = dist.all_to_all_single
     scan = MegaScan(trace_dir, interval=1, window=1, detect_options=CPU_THRESHOLDS)
     callbacks: list[Any] = [scan]
-    if stress_rank is not None:
+    if quota_rank is not None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-        from outside_faults import StressNg
+        from outside_faults import CpuQuota
 
-        callbacks.append(StressNg(stress_rank, start_step=1))
+        callbacks.append(CpuQuota(quota_rank, start_step=1, cpus=QUOTA_CPUS, period_ms=QUOTA_PERIOD_MS))
     result = cases.fit_gpt(
         world,
         steps=steps,

@@ -1,11 +1,13 @@
 """MegaScan sees the experts: an MoE fit at EP2 (two forked gloo ranks; EP2 × PP2 on four) traces each MoE layer's
 dispatch and combine all-to-all, forward and backward, as named collective spans that the merged trace joins
 across ranks with flows; writes tokens per expert per step as counter tracks, summed in the report as the load
-per layer; and names a rank whose CPU ``stress-ng`` loads, while a clean run names nothing.
+per layer; and names a rank under a CPU limit (``outside_faults.CpuQuota``) with the right kind, while a clean run
+names nothing.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,9 @@ from lightning_megatron.scan.analysis.aggregate import aggregate
 from lightning_megatron.scan.analysis.format import list_rank_files, read_rank_file
 from lightning_megatron.scan.analysis.validate import validate_trace
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from outside_faults import cpu_quota_available  # noqa: E402
+
 EXCHANGES = {(ex, d) for ex in ("dispatch", "combine") for d in ("forward", "backward")}
 
 
@@ -26,7 +31,7 @@ def _events(trace_dir: Path, rank: int) -> list[dict[str, Any]]:
 
 def test_exchanges_are_named_spans_joined_by_flows_with_tokens_per_expert(ranks: Any, tmp_path: Path) -> None:
     trace = tmp_path / "trace"
-    results = ranks.run(2, moe_fit, str(trace), 2, steps=4, pin=False, expert_model_parallel_size=2)
+    results = ranks.run(2, moe_fit, str(trace), 2, steps=4, expert_model_parallel_size=2)
     assert all(r["restored"] for r in results)  # all_to_all_single is torch's own again after the windows
     for rank in (0, 1):
         events = _events(trace, rank)
@@ -61,3 +66,22 @@ def test_exchanges_are_named_spans_joined_by_flows_with_tokens_per_expert(ranks:
 def test_clean_moe_run_names_nothing(ranks: Any, tmp_path: Path, layout: str) -> None:
     results = ranks.run(2, moe_fit, str(tmp_path / "trace"), 2, expert_model_parallel_size=2)
     assert results[0]["report"]["suspects"] == [], results[0]["report"]
+
+
+needs_cgroups = pytest.mark.skipif(
+    not cpu_quota_available(), reason="no writable cgroup with the CPU controller (run as root)"
+)
+
+
+@needs_cgroups
+@pytest.mark.parametrize("slow", [1, 0])
+def test_an_expert_rank_under_a_cpu_limit_is_named(ranks: Any, tmp_path: Path, slow: int) -> None:
+    """The limited rank's training thread waits for a CPU wherever it is (the project names that ``host``, from the
+    kernel's run-queue delay: ``scan.analysis.cpu_rules``); its net compute, with the all-to-all waits taken out, is
+    the slower one too (before the all-to-all was traced, its peer waited inside its own compute spans and both
+    looked alike): that comparison is the suspect's ``compute`` evidence."""
+    results = ranks.run(2, moe_fit, str(tmp_path / "trace"), 2, steps=12, quota_rank=slow, expert_model_parallel_size=2)
+    report = results[0]["report"]
+    assert [(s["rank"], s["kind"]) for s in report["suspects"]] == [(slow, "host")], report
+    evidence = report["suspects"][0]["evidence"]
+    assert "waits for a CPU" in evidence["rule"] and evidence["compute"]["slowdown"] > 0.3, evidence
