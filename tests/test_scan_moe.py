@@ -62,9 +62,13 @@ def test_exchanges_are_named_spans_joined_by_flows_with_tokens_per_expert(ranks:
         assert entry["tokens_per_step"] == tokens and entry["imbalance"] >= 1.0 and len(entry["per_expert"]) == 4
 
 
-@pytest.mark.parametrize("layout", ["ep2"])
+LAYOUTS = {"ep2": (2, {}), "ep2-pp2": (4, {"pipeline_model_parallel_size": 2})}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_clean_moe_run_names_nothing(ranks: Any, tmp_path: Path, layout: str) -> None:
-    results = ranks.run(2, moe_fit, str(tmp_path / "trace"), 2, expert_model_parallel_size=2)
+    world, extra = LAYOUTS[layout]
+    results = ranks.run(world, moe_fit, str(tmp_path / "trace"), world, expert_model_parallel_size=2, **extra)
     assert results[0]["report"]["suspects"] == [], results[0]["report"]
 
 
@@ -85,3 +89,12 @@ def test_an_expert_rank_under_a_cpu_limit_is_named(ranks: Any, tmp_path: Path, s
     assert [(s["rank"], s["kind"]) for s in report["suspects"]] == [(slow, "host")], report
     evidence = report["suspects"][0]["evidence"]
     assert "waits for a CPU" in evidence["rule"] and evidence["compute"]["slowdown"] > 0.3, evidence
+
+
+@needs_cgroups
+def test_an_expert_rank_under_a_cpu_limit_is_named_with_pipeline_stages(ranks: Any, tmp_path: Path) -> None:
+    """EP2 x PP2 on four ranks: the limited rank of the second stage is named, against its stage's peer."""
+    layout = dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2)
+    results = ranks.run(4, moe_fit, str(tmp_path / "trace"), 4, steps=12, quota_rank=3, **layout)
+    report = results[0]["report"]
+    assert [(s["rank"], s["kind"]) for s in report["suspects"]] == [(3, "host")], report
