@@ -213,8 +213,9 @@ PATCHES: tuple[Patch, ...] = (
         installer="lightning_megatron.scan.tracing.collectives:CollectiveTracer.install",
         scope="fit",
         why="MegaScan traces collectives that megatron-core's timers do not announce (sequence-parallel and async "
-        "ones): torch.distributed's all_reduce, all_gather_into_tensor, _all_gather_base, reduce_scatter_tensor, "
-        "_reduce_scatter_base, broadcast, and megatron-core's module aliases of them (dist_all_gather_func, "
+        "ones, and the MoE dispatcher's all-to-all exchanges): torch.distributed's all_reduce, "
+        "all_gather_into_tensor, _all_gather_base, reduce_scatter_tensor, _reduce_scatter_base, broadcast, "
+        "all_to_all_single, all_to_all, and megatron-core's module aliases of them (dist_all_gather_func, "
         "dist_reduce_scatter_func in mappings, layers and param_and_grad_buffer); lives in scan/, not compat/",
         restored="CollectiveTracer.uninstall after each traced window",
         tested=f"{_MCORE}, {_TORCH}",
@@ -225,6 +226,8 @@ PATCHES: tuple[Patch, ...] = (
             "torch.distributed:reduce_scatter_tensor",
             "torch.distributed:_reduce_scatter_base",
             "torch.distributed:broadcast",
+            "torch.distributed:all_to_all_single",
+            "torch.distributed:all_to_all",
             "megatron.core.tensor_parallel.mappings:dist_all_gather_func",
             "megatron.core.tensor_parallel.mappings:dist_reduce_scatter_func",
             "megatron.core.tensor_parallel.layers:dist_all_gather_func",

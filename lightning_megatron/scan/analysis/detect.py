@@ -88,6 +88,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_megatron.scan.analysis.bubbles import measure_bubbles
+from lightning_megatron.scan.analysis.experts import expert_load
 from lightning_megatron.scan.analysis.measure import keep_finished_steps, read_traces, unjudged_ranks
 from lightning_megatron.scan.analysis.report import DetectionReport
 from lightning_megatron.scan.analysis.rules import run_rules
@@ -124,6 +125,7 @@ def detect(
     all_steps = keep_finished_steps(traces, skip_steps, notes)
     # before the rules: their notes keep their order, and measure_bubbles only reads the traces
     bubbles = measure_bubbles(traces, []) or None
+    experts = expert_load(traces)
     context = DetectionContext.measure(traces, notes, min_slowdown=min_slowdown, min_z=min_z, min_impact=min_impact)
     suspects = run_rules(context)
 
@@ -144,6 +146,7 @@ def detect(
         steps=all_steps,
         unjudged_ranks=unjudged_ranks(traces, had_spans),
         bubbles=bubbles,
+        experts=experts,
     )
 
 

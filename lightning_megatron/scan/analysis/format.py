@@ -29,7 +29,10 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
   ``p2p``                 megatron-core's op name, e.g.          step, sends: [{peer, bytes, seq, direction}],
                           ``forward-send-backward-recv``         recvs: [{peer, bytes, seq, direction}]
   ``collective``          ``all_reduce`` / ``all_gather`` /      step, group (ranks, sorted), group_name (tp, dp,
-                          ``reduce_scatter`` / ``broadcast``     pp, ...), seq, bytes, async
+                          ``reduce_scatter`` / ``broadcast`` /   pp, ep, ...), seq, bytes, async; an MoE layer's
+                          ``all_to_all``; in an MoE layer:       exchanges also layer, exchange (dispatch|combine),
+                          ``all_to_all layer 3 dispatch          direction (forward|backward)
+                          forward``
   ``collective.wait``     ``all_gather wait`` / ...              as ``collective``: the time blocked in an
                                                                  async collective's ``wait()``
   ``grad_sync``           ``grad-sync``                          step
@@ -40,6 +43,10 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
   ``host``                ``host-gap`` (between two steps)       step, cpu_wait_us (as ``step``); older traces:
                                                                  ``data`` / ``data-wait``
   ======================  =====================================  ==================================================
+
+Counter events (``ph: "C"``, cat ``moe``, ``tid`` 0): ``tokens per expert · layer 3`` at each traced step's start,
+``args`` ``{"expert 5": tokens, ...}``: the tokens each of the rank's local experts received in that step, summed
+over its microbatches (``scan.tracing.moe``).
 
 Matching across ranks (what aggregation draws as flows and detection compares):
 

@@ -105,6 +105,7 @@ class RankTrace:
     offset_us: float = 0.0
     uncertainty_us: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)  # its ``megascan.rank`` record (layout, schedule, ...)
+    counters: list[dict[str, Any]] = field(default_factory=list)  # ``ph: "C"`` events: tokens per expert
 
     @property
     def eager_in_place_of_replays(self) -> bool:
@@ -177,6 +178,8 @@ def _read(path: Path, rank: int, since_step: Optional[int] = None) -> RankTrace:
         if phase == "X" and "cat" in event:
             if since_step is None or (step_of(event) or 0) >= since_step:
                 trace.spans.append(event)
+        elif phase == "C":
+            trace.counters.append(event)
         elif phase == "M":
             args = event.get("args") or {}
             if event.get("name") == "megascan.rank":

@@ -21,6 +21,7 @@ __all__ = [
     "RankSummary",
     "Suspect",
     "bubble_lines",
+    "expert_lines",
     "evidence_text",
     "log_to",
 ]
@@ -92,6 +93,8 @@ class DetectionReport:
     unjudged_ranks: dict[int, str] = field(default_factory=dict)
     bubbles: Optional[dict[str, Any]] = None
     """Pipeline bubbles apart from transfers (``scan.analysis.bubbles.measure_bubbles``); None without pipeline messages."""
+    experts: Optional[dict[str, Any]] = None
+    """Tokens per expert per MoE layer (``scan.analysis.experts.expert_load``); None without MoE layers."""
 
     @property
     def abnormal(self) -> bool:
@@ -117,6 +120,7 @@ class DetectionReport:
             "steps": list(self.steps),
             "unjudged_ranks": {str(rank): why for rank, why in sorted(self.unjudged_ranks.items())},
             "bubbles": self.bubbles,
+            "experts": self.experts,
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -135,6 +139,7 @@ class DetectionReport:
             steps=list(data.get("steps", [])),
             unjudged_ranks={int(rank): why for rank, why in data.get("unjudged_ranks", {}).items()},
             bubbles=data.get("bubbles"),
+            experts=data.get("experts"),
         )
 
     def table(self, per_rank: bool = False) -> str:
@@ -194,6 +199,8 @@ class DetectionReport:
             lines += [""] + _format_rows(header, rows)
         if self.bubbles:
             lines += [""] + bubble_lines(self.bubbles)
+        if self.experts:
+            lines += [""] + expert_lines(self.experts)
         return "\n".join(lines)
 
 
@@ -330,3 +337,15 @@ def log_to(logger: _MetricsLogger, report: DetectionReport, step: Optional[int] 
         metrics[name] = max(metrics.get(name, 0.0), float(s.slowdown))
     logger.log_metrics(metrics, step=step)
     return metrics
+
+
+def expert_lines(experts: dict[str, Any]) -> list[str]:
+    """The report table's lines for the experts' load (``DetectionReport.table``)."""
+    lines = ["experts (tokens per step; max/mean: the busiest expert over the mean, median over steps):"]
+    for layer, entry in experts["layers"].items():
+        lines.append(
+            f"  layer {layer}: {entry['tokens_per_step']:g} tokens over {entry['experts']} experts, max/mean "
+            f"{entry['imbalance']:.2f} (worst step {entry['imbalance_max']:.2f}), busiest expert "
+            f"{entry['busiest_expert']} ({entry['per_expert'][str(entry['busiest_expert'])]:g} tokens)"
+        )
+    return lines

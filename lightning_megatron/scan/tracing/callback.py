@@ -14,7 +14,7 @@ import socket
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -30,7 +30,8 @@ from lightning_megatron.scan.analysis.report import REPORT_FILE
 from lightning_megatron.scan.tracing.busy import KernelActivity
 from lightning_megatron.scan.tracing.clock import ClockOffset, clock_domain, measure_offset, now_us
 from lightning_megatron.scan.tracing.collectives import CollectiveTracer
-from lightning_megatron.scan.tracing.layers import LayerTracer
+from lightning_megatron.scan.tracing.layers import Granularity, LayerTracer, choose_granularity
+from lightning_megatron.scan.tracing.moe import MoETracer
 from lightning_megatron.scan.tracing.online import OnlineDetection, write_report
 from lightning_megatron.scan.tracing.profile import PROFILE_OPTIONS, StepProfiler
 from lightning_megatron.scan.tracing.recorder import Span, SpanRecorder
@@ -38,10 +39,8 @@ from lightning_megatron.scan.tracing.sched import RunDelay
 from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
 from lightning_megatron.strategy.microbatch import infer_seq_length
 
-__all__ = ["MegaScan", "REPORT_FILE"]
+__all__ = ["MegaScan", "REPORT_FILE", "choose_granularity"]
 
-
-Granularity = Literal["stage", "layer", "op"]
 
 _COMPUTE = {
     "forward-compute": "forward",
@@ -49,26 +48,6 @@ _COMPUTE = {
     "weight-grad-compute": "weight-grad",
     "recompute-compute": "recompute",  # MegaFBD's backward replicas: the forward they redo before a backward
 }
-
-
-def choose_granularity(
-    setting: Optional[Granularity], pipeline: int, tensor: int, data_parallel: int
-) -> tuple[Granularity, str]:
-    """The granularity a fit traces at, and why: the user's setting wins; otherwise ``"layer"`` where the ranks
-    of a pipeline stage have no peers (no tensor- or data-parallel replica does the same work), because detection
-    compares a rank's compute with its stage's peers and, without any, can only compare layer parts across
-    stages (a slow stage is otherwise unseen). Layer spans cost a few events per layer and microbatch, so
-    layouts with peers keep ``"stage"``."""
-    if setting is not None:
-        return setting, "set by MegaScan(granularity=...)"
-    if pipeline > 1 and tensor * data_parallel == 1:
-        return "layer", (
-            f"chosen: {pipeline} pipeline stages of one rank each, no peers to compare within a stage, so layer "
-            "parts are compared across stages"
-        )
-    if tensor * data_parallel > 1:
-        return "stage", "chosen: every stage has peer ranks to compare with"
-    return "stage", "chosen: one process (compared with its own earlier steps)"
 
 
 class MegaScan(pl.Callback, StepListener):
@@ -199,6 +178,7 @@ class MegaScan(pl.Callback, StepListener):
         self._recorder: Optional[SpanRecorder] = None
         self._collectives: Optional[CollectiveTracer] = None
         self._layers: Optional[LayerTracer] = None
+        self._moe: Optional[MoETracer] = None  # MoE layers' exchanges and tokens per expert (scan.tracing.moe)
         self._layers_always = False  # layer hooks stay attached between windows (traced replays only)
         self._context: dict[str, Any] = {}
         self._open: dict[str, list[Span]] = {}
@@ -314,6 +294,8 @@ class MegaScan(pl.Callback, StepListener):
         self._recorder = SpanRecorder(rank, use_cuda, busy=busy)
         self._context = {"step": None}
         self._collectives = CollectiveTracer(self._recorder, self._context)
+        if MoETracer.moe_layers(strategy.wrapped_chunks):
+            self._moe = MoETracer(self._recorder, self._context)
         layout = parallel.layout
         self.granularity, self.granularity_reason = choose_granularity(
             self.granularity_setting, layout.pipeline, layout.tensor, parallel.data_parallel_size
@@ -383,6 +365,8 @@ class MegaScan(pl.Callback, StepListener):
         if not recorder.active:
             recorder.begin_window(busy=self._busy_window(step))
             self._collectives.install()
+            if self._moe is not None:
+                self._moe.attach(self._strategy.wrapped_chunks)
             if self._layers is not None and not self._layers_always:
                 self._layers.attach(self._strategy.wrapped_chunks)
         self._context["step"] = step
@@ -459,6 +443,9 @@ class MegaScan(pl.Callback, StepListener):
         if self._layers is not None and not self._layers_always:
             self._layers.detach()
         events = self._recorder.end_window()
+        if self._moe is not None:
+            self._moe.detach()
+            events += self._moe.counters(events, self._recorder.rank)
         self._open = {}
         self._write(events)
         self._measure_clock()
@@ -610,6 +597,8 @@ class MegaScan(pl.Callback, StepListener):
             self._profiler.close()
         if self._collectives is not None:
             self._collectives.uninstall()
+        if self._moe is not None:
+            self._moe.detach()
         if self._recorder is not None:
             self._recorder.shutdown()
         if self._file is not None:

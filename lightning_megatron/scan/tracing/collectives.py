@@ -5,7 +5,10 @@ gradient buffers. So for the traced steps only, this module swaps the collective
 wrappers and puts the originals back afterwards: ``torch.distributed``'s functions, plus the aliases that
 megatron-core 0.16 binds at import time (``dist_all_gather_func`` / ``dist_reduce_scatter_func`` in
 ``tensor_parallel.mappings``, ``tensor_parallel.layers`` (sequence parallelism's gathers and scatters inside the
-linear layers' backward) and ``distributed.param_and_grad_buffer``).
+linear layers' backward) and ``distributed.param_and_grad_buffer``). ``all_to_all_single`` (and the list form
+``all_to_all``) is among them, whoever calls it; inside an MoE layer's dispatch or combine the span is named for the
+exchange (``all_to_all layer 3 dispatch backward``, args ``layer``, ``exchange``, ``direction``: ``scan.tracing.moe``
+sets ``context["moe"]``) and its group reads ``ep`` (megatron-core's expert groups are recognised by object).
 
 An asynchronous collective (``async_op=True``) gets two spans: the collective itself, from its issue to the
 ``wait()`` that ends it (overlapped with compute, so not a wait), and ``<kind> wait`` (cat
@@ -21,7 +24,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,8 @@ _TORCH_ENTRY_POINTS = [
     ("reduce_scatter_tensor", "reduce_scatter", "input"),
     ("_reduce_scatter_base", "reduce_scatter", "input"),
     ("broadcast", "broadcast", "tensor"),
+    ("all_to_all_single", "all_to_all", "input"),
+    ("all_to_all", "all_to_all", "input_tensor_list"),
 ]
 _MEGATRON_ALIASES = [
     ("megatron.core.tensor_parallel.mappings", "dist_all_gather_func"),
@@ -48,6 +53,38 @@ _MEGATRON_ALIASES = [
     ("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func"),
     ("megatron.core.distributed.param_and_grad_buffer", "dist_reduce_scatter_func"),
 ]
+
+
+def _expert_group_names() -> dict[int, str]:
+    """``id`` of megatron-core's expert groups → their short names (``ep``, ``tp_ep``, ``edp``), where initialized.
+
+    By object, not by ranks: at EP2 on two ranks the expert-parallel group has the data-parallel group's ranks,
+    and the MoE dispatcher's all-to-all must still read ``ep`` (the gradient all-reduce keeps ``dp``)."""
+    from megatron.core import parallel_state as ps
+
+    getters = {
+        "ep": ps.get_expert_model_parallel_group,
+        "tp_ep": ps.get_expert_tensor_and_model_parallel_group,
+        "edp": ps.get_expert_data_parallel_group,
+    }
+    names: dict[int, str] = {}
+    for name, getter in getters.items():
+        try:
+            group = getter(check_initialized=False)
+        except (AssertionError, RuntimeError, AttributeError, TypeError):
+            continue
+        if group is not None:
+            names.setdefault(id(group), name)
+    return names
+
+
+def _bytes(tensor: Any) -> Optional[int]:
+    """Bytes of a tensor, or of a list of tensors (``all_to_all``'s lists); None for anything else."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.numel() * tensor.element_size()
+    if isinstance(tensor, (list, tuple)) and tensor and all(isinstance(t, torch.Tensor) for t in tensor):
+        return sum(t.numel() * t.element_size() for t in tensor)
+    return None
 
 
 def _group_names() -> dict[tuple[int, ...], str]:
@@ -100,6 +137,7 @@ class CollectiveTracer:
         self.recorder = recorder
         self.context = context  # the callback keeps context["step"] current
         self._names = _group_names()
+        self._expert_names = _expert_group_names()
         self._ranks: dict[int, tuple[int, ...]] = {}
         self._seq: dict[tuple[int, ...], int] = {}
         self._saved: list[tuple[Any, str, Any]] = []
@@ -117,23 +155,28 @@ class CollectiveTracer:
             if not self.recorder.active:
                 return fn(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs).arguments
-            ranks = self._group_ranks(bound.get("group"))
-            tensor = bound.get(tensor_arg)
+            group = bound.get("group")
+            ranks = self._group_ranks(group)
             seq = self._seq.get(ranks, 0)
             self._seq[ranks] = seq + 1
             args_out = {
                 "step": self.context.get("step"),
                 "group": list(ranks),
-                "group_name": self._names.get(ranks, "other"),
+                "group_name": self._expert_names.get(id(group)) or self._names.get(ranks, "other"),
                 "seq": seq,
-                "bytes": tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else None,
+                "bytes": _bytes(bound.get(tensor_arg)),
                 "async": bool(bound.get("async_op", False)),
             }
-            span = self.recorder.open(kind, "collective", TID["communication"], args_out)
+            name = kind
+            exchange = self.context.get("moe") if kind == "all_to_all" else None
+            if exchange:  # inside an MoE layer's dispatch or combine (scan.tracing.moe)
+                name = f"all_to_all layer {exchange['layer']} {exchange['exchange']} {exchange['direction']}"
+                args_out.update(exchange)
+            span = self.recorder.open(name, "collective", TID["communication"], args_out)
             work = fn(*args, **kwargs)
             if args_out["async"] and work is not None:
                 wait_args = {**args_out, "async": False}
-                name = f"{kind} wait"
+                name = f"{name} wait"
 
                 def done(waiting: Any) -> None:
                     self.recorder.close(waiting)

@@ -10,7 +10,7 @@ by default only where nothing else can compare a stage (pure pipeline parallelis
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -19,7 +19,29 @@ from megatron.core.utils import unwrap_model
 from lightning_megatron.scan.analysis.format import TID
 from lightning_megatron.scan.tracing.recorder import Span, SpanRecorder
 
-__all__ = ["LayerTracer"]
+__all__ = ["Granularity", "LayerTracer", "choose_granularity"]
+
+Granularity = Literal["stage", "layer", "op"]
+
+
+def choose_granularity(
+    setting: Optional[Granularity], pipeline: int, tensor: int, data_parallel: int
+) -> tuple[Granularity, str]:
+    """The granularity a fit traces at, and why: the user's setting wins; otherwise ``"layer"`` where the ranks
+    of a pipeline stage have no peers (no tensor- or data-parallel replica does the same work), because detection
+    compares a rank's compute with its stage's peers and, without any, can only compare layer parts across
+    stages (a slow stage is otherwise unseen). Layer spans cost a few events per layer and microbatch, so
+    layouts with peers keep ``"stage"``."""
+    if setting is not None:
+        return setting, "set by MegaScan(granularity=...)"
+    if pipeline > 1 and tensor * data_parallel == 1:
+        return "layer", (
+            f"chosen: {pipeline} pipeline stages of one rank each, no peers to compare within a stage, so layer "
+            "parts are compared across stages"
+        )
+    if tensor * data_parallel > 1:
+        return "stage", "chosen: every stage has peer ranks to compare with"
+    return "stage", "chosen: one process (compared with its own earlier steps)"
 
 
 class LayerTracer:
