@@ -37,7 +37,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import get_model_config
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sync
@@ -47,20 +46,14 @@ from lightning_megatron.layers.install import TensorParallelLayers, symmetric_ar
 from lightning_megatron.layers.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline import get_schedule
 from lightning_megatron.strategy import rendezvous
+from lightning_megatron.strategy.arguments import check_scalar_arguments, check_trainer
 from lightning_megatron.strategy.checkpoint import DistCheckpointIO, load_sharded, model_sharded_state_dict
 from lightning_megatron.strategy.chunks import ddp_options, install_config_hooks, unwrap, validated_chunks, wrap_ddp
-from lightning_megatron.strategy.collectives import (
-    barrier,
-    broadcast_object,
-    combine_decision,
-    gather_tensor,
-    reduce_tensor,
-)
+from lightning_megatron.strategy.collectives import DataParallelCollectives
 from lightning_megatron.strategy.graphs import (
     StepGraph,
     check_cuda_graphs,
-    resolve_accumulation_fusion,
-    resolve_cuda_graphs,
+    resolve_step_settings,
     settings_not_run_graphed,
 )
 from lightning_megatron.strategy.listeners import StepListener, TimedLoader
@@ -79,7 +72,7 @@ from lightning_megatron.strategy.stepping import StepRunner
 __all__ = ["MegatronAppStrategy"]
 
 
-class MegatronAppStrategy(ParallelStrategy):
+class MegatronAppStrategy(DataParallelCollectives, ParallelStrategy):
     """Train megatron-core models with tensor, pipeline, virtual-pipeline, data and sequence parallelism.
 
     Data parallelism is what remains of the world: ``devices × num_nodes / (TP × PP × CP)`` replicas.
@@ -197,32 +190,19 @@ class MegatronAppStrategy(ParallelStrategy):
             context=context_parallel_size,
             expert=expert_model_parallel_size,
         )
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise MegatronConfigError(f"`micro_batch_size` must be a positive integer, got {micro_batch_size!r}.")
+        check_scalar_arguments(
+            micro_batch_size=micro_batch_size,
+            process_group_backend=process_group_backend,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+        )
         self.micro_batch_size = micro_batch_size
         self.schedule = get_schedule(schedule or ("interleaved" if virtual_pipeline_model_parallel_size else "1f1b"))
         self.schedule.validate(pipeline=self.layout.pipeline, virtual=self.layout.virtual_pipeline)
         self.schedule_options = self.schedule.options(schedule_options)
-        self.cuda_graphs = check_cuda_graphs(cuda_graphs, pipeline=self.layout.pipeline)
-        if self.layout.context > 1:
-            if cuda_graphs:
-                raise MegatronConfigError(
-                    "cuda_graphs=True is not supported with context_parallel_size > 1 yet (the ring's exchanges are "
-                    "not captured); leave cuda_graphs unset or False."
-                )
-            self.cuda_graphs = False
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs, pipeline=self.layout.pipeline, context=self.layout.context)
         self._graphs = False  # whether this run replays steps as graphs: resolved in setup_environment
-        if process_group_backend not in (None, "nccl", "gloo"):
-            raise MegatronConfigError(
-                f"`process_group_backend` must be 'nccl' (GPUs) or 'gloo' (CPUs), got {process_group_backend!r}."
-            )
         self.use_distributed_optimizer = use_distributed_optimizer
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
-        if gradient_accumulation_fusion not in (None, True, False):
-            raise MegatronConfigError(
-                f"`gradient_accumulation_fusion` must be true, false or unset (automatic), got "
-                f"{gradient_accumulation_fusion!r}."
-            )
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self._accumulation_fusion = bool(gradient_accumulation_fusion)  # resolved in setup_environment
         self.tp_comm_overlap = tp_comm_overlap_options(tp_comm_overlap, tp_comm_overlap_chunks, self.layout.tensor)
@@ -381,8 +361,9 @@ class MegatronAppStrategy(ParallelStrategy):
         self.set_world_ranks()
         data_parallel = self.layout.data_parallel_size(self.world_size)  # raises before any collective
         check_float8_precision(self.fp8_recipe, self.precision_plugin.params_dtype)
-        self._graphs = resolve_cuda_graphs(
+        self._graphs, self._accumulation_fusion = resolve_step_settings(
             self.cuda_graphs,
+            self.gradient_accumulation_fusion,
             module=self.lightning_module,
             on_cpu=on_cpu,
             params_dtype=self.precision_plugin.params_dtype,
@@ -392,16 +373,8 @@ class MegatronAppStrategy(ParallelStrategy):
             unchecked=settings_not_run_graphed(
                 overlap_param_gather=self._ddp_kwargs.get("overlap_param_gather", False),
                 tp_comm_overlap=self.tp_comm_overlap is not None,
-            )
-            if self.world_size > 1
-            else (),
-        )
-        self._accumulation_fusion = resolve_accumulation_fusion(
-            self.gradient_accumulation_fusion,
-            graphs=self._graphs,
-            on_cpu=on_cpu,
-            params_dtype=self.precision_plugin.params_dtype,
-            pipeline=self.layout.pipeline,
+                world_size=self.world_size,
+            ),
         )
         self._init_process_group(backend, on_cpu)
         initialize_parallel_state(self.layout, self._timeout)
@@ -437,17 +410,7 @@ class MegatronAppStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if trainer.accumulate_grad_batches != 1:
-            raise MegatronConfigError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not used with "
-                "MegatronAppStrategy: one batch is one optimizer step, accumulated over microbatches. Raise the "
-                "global batch size instead (microbatches = batch size per data-parallel rank / micro_batch_size)."
-            )
-        if not self.lightning_module.automatic_optimization:
-            raise MegatronConfigError(
-                "MegatronAppStrategy drives the optimizer itself (the pipeline schedule runs forward and backward "
-                "inside training_step); keep `automatic_optimization = True`."
-            )
+        check_trainer(trainer)
         chunks = validated_chunks(self.lightning_module, self.layout.num_chunks, self.parallel.config_kwargs())
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -557,41 +520,6 @@ class MegatronAppStrategy(ParallelStrategy):
         if isinstance(opt, StrategyOptimizer) and opt.last_step_skipped:
             self.lightning_module.log("skipped_step", 1.0, on_step=True, batch_size=1)  # fp16 overflow
         return output
-
-    # -- collectives --------------------------------------------------------------------------------
-    def _default_group(self) -> Optional[Any]:
-        """Data-parallel ranks see different data; model-parallel peers hold the same metric values."""
-        if self._parallel is None:
-            return None
-        return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-    @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """Reduce over ``group``; by default the data-parallel group (see ``_default_group``)."""
-        if not isinstance(tensor, Tensor) or not dist.is_initialized():
-            return tensor
-        return reduce_tensor(tensor, group if group is not None else self._default_group(), reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Gather ``tensor`` (same shape everywhere) from ``group``, by default the data-parallel group."""
-        if not dist.is_initialized():
-            return tensor.unsqueeze(0)
-        return gather_tensor(tensor, group if group is not None else self._default_group(), sync_grads)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Broadcast a picklable object from global rank ``src`` to every rank."""
-        return broadcast_object(obj, src)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Combine a decision across **all** ranks (e.g. early stopping must stop every stage)."""
-        return combine_decision(decision, all, self.root_device)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _model_sharded_state_dict(self) -> dict[str, Any]:
