@@ -156,7 +156,7 @@ PATCHES: tuple[Patch, ...] = (
         also=("megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction.backward",),
     ),
     Patch(
-        target="megatron.core.transformer.moe.router:TopKRouter.gating",
+        target="megatron.core.transformer.moe.router:Router.gating",
         installer="lightning_megatron.compat.router:logits_site",
         scope="instance",
         why="no module boundary carries a router's logits between its gating linear and its top-k; MegaScope sets "
