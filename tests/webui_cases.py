@@ -274,10 +274,14 @@ def serve_replay(rate: float) -> None:
 
 # -- a checkpoint for `scope serve` --------------------------------------------------------------------------
 TINY_MODEL = {"vocab_size": 512, "seq_length": 128, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+TINY_MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96, "add_bias_linear": False}
+"""``prepare --moe``: the tiny GPT with 4 experts (top-2) in both layers, for the router views (no linear biases:
+megatron-core 0.16.1's expert MLP adds its bias in place to a tensor-parallel output, which autograd refuses)."""
 
 
-def prepare(out: Path) -> None:
-    """A tokenizer and a 2-step checkpoint of a tiny GPT under ``out`` (tokenizer.json, ckpt/last.ckpt)."""
+def prepare(out: Path, moe: bool = False) -> None:
+    """A tokenizer and a 2-step checkpoint of a tiny GPT under ``out`` (tokenizer.json, ckpt/last.ckpt); ``moe``:
+    with mixture-of-experts layers (``TINY_MOE``)."""
     import yaml
 
     from lightning_megatron.cli import main as cli
@@ -308,7 +312,10 @@ def prepare(out: Path) -> None:
                 }
             ],
         },
-        "model": {"class_path": "lightning_megatron.models.GPTModule", "init_args": dict(TINY_MODEL)},
+        "model": {
+            "class_path": "lightning_megatron.models.GPTModule",
+            "init_args": {**TINY_MODEL, **(TINY_MOE if moe else {})},
+        },
         "data": {
             "class_path": "SyntheticTokenDataModule",
             "init_args": {
@@ -368,12 +375,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("prepare").add_argument("out", type=Path)
+    prepare_command = commands.add_parser("prepare")
+    prepare_command.add_argument("out", type=Path)
+    prepare_command.add_argument("--moe", action="store_true")
     commands.add_parser("fit-live").add_argument("--steps", type=int, default=400)
     commands.add_parser("replay").add_argument("--rate", type=float, default=20.0)
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        prepare(args.out)
+        prepare(args.out, args.moe)
     elif args.command == "fit-live":
         fit_live(args.steps)
     else:

@@ -156,6 +156,18 @@ PATCHES: tuple[Patch, ...] = (
         also=("megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction.backward",),
     ),
     Patch(
+        target="megatron.core.transformer.moe.router:Router.gating",
+        installer="lightning_megatron.compat.router:logits_site",
+        scope="instance",
+        why="no module boundary carries a router's logits between its gating linear and its top-k; MegaScope sets "
+        "one router instance's gating to one that passes the logits through an identity module its capture and "
+        "perturbation hooks attach to (hook_router_logits, a disabled expert)",
+        restored="not needed: the identity returns the logits unchanged, and without hooks it is skipped; it goes "
+        "with the router",
+        tested=_MCORE,
+        covered_by="tests/test_scope_moe.py",
+    ),
+    Patch(
         target="megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
         installer="lightning_megatron.compat.moe:install",
         scope="process",

@@ -30,7 +30,7 @@ from lightning_megatron.scope import collect
 from lightning_megatron.scope.capture import Capture, Record
 from lightning_megatron.scope.perturb import KINDS, Perturbation, Perturber, requested
 from lightning_megatron.scope.reducers import parse_reducers
-from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
+from lightning_megatron.scope.sites import SITE_GROUPS, chunks_of, moe_facts, point_names_of
 
 __all__ = ["DEFAULT_TRAINING_PROBES", "MegaScope"]
 
@@ -51,6 +51,7 @@ def _model_facts(module: pl.LightningModule, config: Any) -> dict[str, Any]:
         "num_layers": int(config.num_layers),
         "hidden_size": int(config.hidden_size),
         "num_heads": int(config.num_attention_heads),
+        **moe_facts(config),
     }
     hparams = getattr(module, "hparams", {})
     for name, key in (("seq_length", "max_seq_length"), ("vocab_size", "vocab_size")):
@@ -185,7 +186,7 @@ class MegaScope(pl.Callback):
             "mode": "train",
             "model": _model_facts(pl_module, config),
             "layout": _layout_of(config),
-            "probes": all_point_names(int(config.num_layers), bool(config.gated_linear_unit)),
+            "probes": point_names_of(config),
             "sampled": {"interval": self.interval, "window": self.window, "start_step": self.start_step},
             "perturbation_kinds": list(KINDS),
             "perturbation_groups": {name: list(sites) for name, sites in SITE_GROUPS.items()},

@@ -40,9 +40,9 @@ from lightning_megatron.scope.reducers import Reduced, Reducer, apply_reducers, 
 from lightning_megatron.scope.sites import (
     SITE_GROUPS,
     ProbePoint,
-    all_point_names,
     chunks_of,
     match_points,
+    point_names_of,
     probe_points,
     vocab_size_of,
 )
@@ -398,7 +398,7 @@ def _check_names(names_filter: NamesFilter, config: Any) -> None:
     (this rank holds only its pipeline stage's points, so the check is against the model's full list)."""
     if names_filter is None or callable(names_filter):
         return
-    names = all_point_names(int(config.num_layers), bool(config.gated_linear_unit))
+    names = point_names_of(config)
     patterns = [names_filter] if isinstance(names_filter, str) else list(names_filter)
     for pattern in patterns:
         if isinstance(pattern, str) and pattern not in SITE_GROUPS:

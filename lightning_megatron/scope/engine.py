@@ -37,7 +37,7 @@ from lightning_megatron.scope.capture import Capture, Record
 from lightning_megatron.scope.perturb import KINDS, Perturbation, perturb, requested
 from lightning_megatron.scope.protocol import Array
 from lightning_megatron.scope.reducers import Reduced, apply_reducers, parse_reducers
-from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names, chunks_of
+from lightning_megatron.scope.sites import SITE_GROUPS, chunks_of, moe_facts, point_names_of
 
 __all__ = ["DEFAULT_PROBES", "Limits", "ScopeEngine", "StreamedText", "pca_2d"]
 
@@ -127,6 +127,7 @@ class ScopeEngine:
                 "vocab_size": int(hp.vocab_size),
                 "max_seq_length": int(hp.seq_length),
                 "layer_spec": str(hp.layer_spec),
+                **moe_facts(config),
             },
             "layout": {
                 "tensor": int(getattr(config, "tensor_model_parallel_size", 1)),
@@ -134,7 +135,7 @@ class ScopeEngine:
                 "virtual_pipeline": int(getattr(config, "virtual_pipeline_model_parallel_size", None) or 1),
                 "sequence_parallel": bool(config.sequence_parallel),
             },
-            "probes": all_point_names(self.num_layers, bool(config.gated_linear_unit)),
+            "probes": point_names_of(config),
             "default_probes": [dict(p) for p in DEFAULT_PROBES],
             "perturbation_kinds": list(KINDS),
             "perturbation_groups": {name: list(sites) for name, sites in SITE_GROUPS.items()},

@@ -22,8 +22,11 @@ Rules that keep training correct (MegatronApp's weight noise ran under ``no_grad
 
 Kinds (``strength`` means): ``gaussian`` x + s·N(0,1); ``uniform`` x·U(1-s, 1+s); ``bitflip`` each element
 has one random bit of its dtype flipped with probability s; ``zero`` each element is zeroed with probability
-s; ``stuck`` each element is set to ``value`` with probability s. ``layers`` and ``heads`` narrow a site
-(heads are the tensor's own: query heads for q and z, key/value heads for k and v).
+s; ``stuck`` each element is set to ``value`` with probability s; ``disable`` (router logits only) sets the logits
+of ``experts`` to ``-inf``, so the router never chooses them (their weight is 0; the gradient of those logits is 0).
+``layers`` and ``heads`` narrow a site (heads are the tensor's own: query heads for q and z, key/value heads for k
+and v); ``experts`` narrows ``blocks.L.moe.hook_router_logits`` to those experts' logits (noise on one expert's
+logit moves tokens to or from it alone).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from lightning_megatron.scope.tap import Tap, strategy_of
 
 __all__ = ["KINDS", "Perturbation", "Perturber", "noise_draws", "out_of_range", "perturb", "requested"]
 
-Kind = Literal["gaussian", "uniform", "bitflip", "zero", "stuck"]
-KINDS: tuple[str, ...] = ("gaussian", "uniform", "bitflip", "zero", "stuck")
+Kind = Literal["gaussian", "uniform", "bitflip", "zero", "stuck", "disable"]
+KINDS: tuple[str, ...] = ("gaussian", "uniform", "bitflip", "zero", "stuck", "disable")
+_ROUTER_LOGITS = "moe.hook_router_logits"
 _INT_VIEWS = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
@@ -59,6 +63,8 @@ class Perturbation:
     heads: Optional[tuple[int, ...]] = None
     value: float = 0.0
     """The stuck-at value (``kind="stuck"``)."""
+    experts: Optional[tuple[int, ...]] = None
+    """Router logits only: the experts whose logits are perturbed (``kind="disable"``: the disabled experts)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -71,7 +77,12 @@ class Perturbation:
                 f"Perturbation(kind={self.kind!r}, strength={strength}): strength is a probability per element, in [0, 1]."
             )
         object.__setattr__(self, "strength", strength)
-        for name in ("layers", "heads"):
+        if self.kind == "disable" and not self.experts:
+            raise MegatronConfigError(
+                "Perturbation(kind='disable') needs experts=[...]: the experts whose router logits become -inf "
+                "(site: blocks.L.moe.hook_router_logits)."
+            )
+        for name in ("layers", "heads", "experts"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(int(v) for v in value))
@@ -91,9 +102,9 @@ class Perturbation:
 
 def _exists_in_model(site: str, config: Any) -> bool:
     """Whether ``site`` names a point of the whole model (this rank holds only its pipeline stage's points)."""
-    from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names
+    from lightning_megatron.scope.sites import SITE_GROUPS, point_names_of
 
-    names = all_point_names(int(config.num_layers), bool(config.gated_linear_unit))
+    names = point_names_of(config)
     return site in SITE_GROUPS or any(fnmatch.fnmatchcase(name, site) for name in names)
 
 
@@ -101,17 +112,13 @@ def out_of_range(pert: Perturbation, config: Any) -> Optional[tuple[str, str]]:
     """``(field, message)`` for ``layers`` or ``heads`` that name nothing ``pert.site`` has in this model (they
     would narrow the perturbation to nothing, silently), else None. Judged on the whole model's config, so
     every pipeline stage agrees; ``field`` is ``layers/i`` or ``heads/i``."""
-    from lightning_megatron.scope.sites import SITE_GROUPS, all_point_names
+    from lightning_megatron.scope.sites import SITE_GROUPS, point_names_of
 
     num_layers = int(config.num_layers)
     heads = int(config.num_attention_heads)
     groups = int(config.num_query_groups or heads)
     globs = [f"blocks.*.{site}" for site in SITE_GROUPS[pert.site]] if pert.site in SITE_GROUPS else [pert.site]
-    names = [
-        n
-        for n in all_point_names(num_layers, bool(config.gated_linear_unit))
-        if any(fnmatch.fnmatchcase(n, g) for g in globs)
-    ]
+    names = [n for n in point_names_of(config) if any(fnmatch.fnmatchcase(n, g) for g in globs)]
     if pert.layers is not None:
         for index, layer in enumerate(pert.layers):
             if not 0 <= layer < num_layers:
@@ -119,12 +126,35 @@ def out_of_range(pert: Perturbation, config: Any) -> Optional[tuple[str, str]]:
         in_layers = [n for n in names if n.startswith("blocks.") and int(n.split(".")[1]) in pert.layers]
         if names and not in_layers:
             return "layers", f"site {pert.site!r} has no point in layers {list(pert.layers)}"
+    if pert.experts is not None or pert.kind == "disable":
+        wrong = _experts_out_of_range(pert, config, names)
+        if wrong is not None:
+            return wrong
     if pert.heads is not None:
         # query heads for q, z and the pattern; key/value heads (num_query_groups) for k and v
         limit = groups if any(n.endswith(("attn.hook_k", "attn.hook_v")) for n in names) else heads
         for index, head in enumerate(pert.heads):
             if not 0 <= head < limit:
                 return f"heads/{index}", f"{head} is not a head of {pert.site!r} in this model (heads 0..{limit - 1})"
+    return None
+
+
+def _experts_out_of_range(pert: Perturbation, config: Any, names: Sequence[str]) -> Optional[tuple[str, str]]:
+    """``experts`` and ``kind="disable"`` act on router logits only, name real experts, and leave each token
+    ``moe_router_topk`` experts to choose from."""
+    field = "experts" if pert.experts is not None else "kind"
+    if not names or not all(n.endswith(_ROUTER_LOGITS) for n in names):
+        what = "experts=[...]" if pert.experts is not None else "kind='disable'"
+        return field, f"{what} applies to router logits only (site 'blocks.L.{_ROUTER_LOGITS}'), not {pert.site!r}"
+    experts, topk = int(config.num_moe_experts), int(config.moe_router_topk)
+    for index, expert in enumerate(pert.experts or ()):
+        if not 0 <= expert < experts:
+            return f"experts/{index}", f"{expert} is not an expert of this model (experts 0..{experts - 1})"
+    if pert.kind == "disable" and experts - len(set(pert.experts or ())) < topk:
+        return "experts", (
+            f"disabling {len(set(pert.experts or ()))} of {experts} experts leaves fewer than "
+            f"moe_router_topk={topk} for each token"
+        )
     return None
 
 
@@ -185,6 +215,13 @@ class Perturber:
                 raise MegatronConfigError(
                     f"perturb(site={pert.site!r}): {bad[:3]} cannot be perturbed; perturbable sites are "
                     f"blocks.L.{{{', '.join(perturbable)}}} and hook_embed (or a group: storage, calculation, system)."
+                )
+            if (pert.experts is not None or pert.kind == "disable") and not all(
+                p.name.endswith(_ROUTER_LOGITS) for p in chosen
+            ):
+                what = "experts=[...]" if pert.experts is not None else "kind='disable'"
+                raise MegatronConfigError(
+                    f"perturb({what}) needs router-logit sites (blocks.L.{_ROUTER_LOGITS}), not {pert.site!r}."
                 )
             if pert.heads is not None and any(p.num_heads is None for p in chosen):
                 raise MegatronConfigError(
@@ -264,8 +301,14 @@ class Perturber:
         extent = x.shape[layout.seq_dim] if layout.seq_dim is not None else 0
         positions = self.tap.positions_for_seq(extent, layout.sequence_parallel_split)
         noise = self._noise_for(pert, point, tuple(x.shape), x.device, positions)
-        heads = self._head_mask(pert, point, x) if pert.heads is not None else None
-        return _apply(pert, x, noise, heads)
+        if pert.heads is not None:
+            mask = self._head_mask(pert, point, x)
+        elif pert.experts is not None:
+            mask = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)  # the experts axis is whole
+            mask[list(pert.experts)] = True
+        else:
+            mask = None
+        return _apply(pert, x, noise, mask)
 
     def _noise_for(
         self,
@@ -345,6 +388,8 @@ def noise_draws(
     """The random draws of ``pert`` at probe ``name`` for the *full* tensor (seq dim: every position the model
     can see): ``n`` standard normal (gaussian), else ``u`` uniform in [0, 1) and, for bit flips, ``bit``.
     ``microbatch`` is ``(data-parallel rank, microbatch)`` for activations and ``None`` for weights."""
+    if pert.kind == "disable":
+        return {}  # no randomness
     generator = torch.Generator(device=device).manual_seed(_seed_of(pert.seed, pert.kind, step, microbatch, name))
     shape = list(full_shape)
     if pert.kind == "gaussian":
@@ -360,6 +405,8 @@ def _apply(
     pert: Perturbation, x: torch.Tensor, draws: Mapping[str, torch.Tensor], heads: Optional[torch.Tensor]
 ) -> torch.Tensor:
     s = pert.strength
+    if pert.kind == "disable":  # ``heads``: the experts mask; masked_fill passes no gradient to the filled logits
+        return x.masked_fill(heads, float("-inf"))  # type: ignore[arg-type]
     if pert.kind == "gaussian":
         noise = draws["n"].to(x.dtype) * s
         return x + (noise if heads is None else noise * heads)
@@ -394,6 +441,7 @@ def perturb(
     layers: Optional[Sequence[int]] = None,
     heads: Optional[Sequence[int]] = None,
     value: float = 0.0,
+    experts: Optional[Sequence[int]] = None,
     perturbations: Sequence[Perturbation | Mapping[str, Any]] = (),
 ) -> Iterator[Perturber]:
     """Perturb ``site`` (and/or every item of ``perturbations``) while inside; see the module docstring.
@@ -405,7 +453,14 @@ def perturb(
         items.insert(
             0,
             Perturbation(
-                site, kind, strength, seed, tuple(layers) if layers else None, tuple(heads) if heads else None, value
+                site,
+                kind,
+                strength,
+                seed,
+                tuple(layers) if layers else None,
+                tuple(heads) if heads else None,
+                value,
+                tuple(experts) if experts is not None else None,
             ),
         )
     if not items:

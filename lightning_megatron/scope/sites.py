@@ -22,6 +22,9 @@ name                               what                                        l
 ``blocks.L.mlp.hook_pre_linear``   SwiGLU's linear half                        [b, s, f]         —
 ``blocks.L.mlp.hook_post``         MLP activation, into the second linear      [b, s, f]         calculation
 ``blocks.L.hook_mlp_out``          MLP output (with its bias)                  [b, s, h]         calculation
+``blocks.L.moe.hook_router_logits``  router logits, before the score function   [b, s, E]         calculation
+``blocks.L.moe.hook_expert_choice``  the top-k experts per token (by weight)     [b, s, k]         —
+``blocks.L.moe.hook_expert_weights`` their weights (probabilities into combine)  [b, s, k]         —
 ``blocks.L.hook_resid_post``       residual stream out of layer L              [b, s, h]         system
 ``ln_final.hook_normalized``       final norm output                           [b, s, h]         —
 ``hook_logits``                    logits over the real vocabulary             [b, s, vocab]     —
@@ -34,6 +37,16 @@ Unlike TransformerLens, ``hook_q``/``hook_k`` are taken after rotary embeddings 
 of a SwiGLU MLP perturbs both halves. ``hook_pattern`` under ``layer_spec="sdpa"`` is recomputed from
 ``hook_q``/``hook_k`` for the captured layers (SDPA never materializes it); under ``"local"`` it is
 megatron-core's own softmax output.
+
+In a mixture-of-experts layer (``GPTModule(num_moe_experts=...)``: its MLP is megatron-core's ``MoELayer``) the
+dense MLP's internals (``mlp.hook_pre``/``hook_pre_linear``/``hook_post``, ``mlp.W_in``/``W_out``) do not exist;
+``hook_mlp_out`` is the layer's output after the experts' outputs are combined, and the ``moe.*`` points describe
+its router. Each rank routes its own tokens (the router is replicated, not split over expert-parallel ranks), so
+the router's tensors are laid out as the residual stream: whole on every tensor-parallel rank, split on the
+sequence under sequence parallelism. ``hook_router_logits`` is reached through ``compat.router`` (no module
+boundary carries it); perturbing it changes which experts are chosen, and ``kind="disable"`` with ``experts=[e]``
+sets expert e's logit to ``-inf`` so it is never chosen. ``hook_expert_choice`` holds expert indices (int64; -1
+where a token lost a slot to a capacity limit), highest weight first.
 """
 
 from __future__ import annotations
@@ -45,13 +58,25 @@ from typing import Any, Literal, Optional
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope.layout import ShardLayout
 
-__all__ = ["ProbePoint", "SITE_GROUPS", "all_point_names", "chunks_of", "match_points", "probe_points", "vocab_size_of"]
+__all__ = [
+    "ProbePoint",
+    "SITE_GROUPS",
+    "all_point_names",
+    "chunks_of",
+    "match_points",
+    "moe_facts",
+    "moe_layers_of",
+    "point_names_of",
+    "probe_points",
+    "vocab_size_of",
+]
 
 Category = Literal["system", "calculation", "storage"]
 When = Literal["pre", "post"]
@@ -235,6 +260,8 @@ def _layer_points(layer: TransformerLayer, config: Any) -> list[ProbePoint]:
     )
     read, _ = _arg(0, "hidden_states")
     points.append(ProbePoint(p + "hook_resid_mid", L, layer.pre_mlp_layernorm, "pre", _RESIDUAL, read))
+    if isinstance(mlp, MoELayer):
+        return points + _moe_points(layer, mlp, p, L)
     fc1_layout = ShardLayout(tp_dim=2, gated=gated)
     _, write = _first_output()
     points.append(
@@ -276,6 +303,57 @@ def _layer_points(layer: TransformerLayer, config: Any) -> list[ProbePoint]:
             ProbePoint(p + name, L, module, "pre", layout, _weight_reader, _weight_marker, "storage", is_weight=True)
         )
     return points
+
+
+def _moe_points(layer: TransformerLayer, moe: MoELayer, p: str, L: int) -> list[ProbePoint]:
+    """The points after ``hook_resid_mid`` of an MoE layer: its router's, then the combined output."""
+    from lightning_megatron.compat.router import logits_site
+
+    router = moe.router
+    experts, topk = int(router.config.num_moe_experts), int(router.config.moe_router_topk)
+    facts = {"experts": experts, "topk": topk}
+    read, write = _tensor_output()
+    points = [
+        ProbePoint(
+            p + "moe.hook_router_logits", L, logits_site(router), "post", _RESIDUAL, read, write, "calculation",
+            extras=facts,
+        ),
+        ProbePoint(p + "moe.hook_expert_choice", L, router, "post", _RESIDUAL, _expert_choice(topk, 0), extras=facts),
+        ProbePoint(p + "moe.hook_expert_weights", L, router, "post", _RESIDUAL, _expert_choice(topk, 1), extras=facts),
+    ]  # fmt: skip
+    _, write = _first_output()
+    points.append(ProbePoint(p + "hook_mlp_out", L, moe, "post", _RESIDUAL, _output_with_bias, write, "calculation"))
+    read, write = _first_output()
+    points.append(ProbePoint(p + "hook_resid_post", L, layer, "post", _RESIDUAL, read, write, "system"))
+    attention = layer.self_attention
+    weights = (
+        ("attn.W_QKV", attention.linear_qkv, ShardLayout(tp_dim=0, seq_dim=None, to_logical=())),
+        ("attn.W_O", attention.linear_proj, ShardLayout(tp_dim=1, seq_dim=None, to_logical=())),
+    )
+    for name, module, layout in weights:
+        points.append(
+            ProbePoint(p + name, L, module, "pre", layout, _weight_reader, _weight_marker, "storage", is_weight=True)
+        )
+    return points
+
+
+def _expert_choice(topk: int, part: int) -> Reader:
+    """From the router's output (``probs`` and ``routing_map``, ``[tokens, experts]``) and its input's shape
+    ``[s, b, h]``: the chosen experts highest weight first (``part`` 0, int64; -1 for a slot a capacity limit
+    dropped) or their weights (``part`` 1; 0 there), ``[s, b, k]``."""
+
+    def read(args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+        hidden = kwargs["input"] if "input" in kwargs else args[0]
+        probs, routing_map = output[0], output[1]
+        chosen = torch.where(routing_map, probs.detach().float(), float("-inf"))
+        weights, experts = chosen.topk(topk, dim=-1)
+        dropped = torch.isneginf(weights)
+        shape = (*hidden.shape[:2], topk)
+        if part == 0:
+            return experts.masked_fill(dropped, -1).view(shape)
+        return weights.masked_fill(dropped, 0.0).view(shape)
+
+    return read
 
 
 def _weight_reader(args: tuple, kwargs: dict, output: Any) -> None:
@@ -324,13 +402,46 @@ def match_points(points: Sequence[ProbePoint], patterns: Sequence[str], *, what:
     return chosen
 
 
-def all_point_names(num_layers: int, gated: bool) -> list[str]:
-    """Every name a model of ``num_layers`` layers has (on some rank), for ``info`` and validation."""
-    per_layer = [
+def all_point_names(num_layers: int, gated: bool, moe_layers: Sequence[int] = ()) -> list[str]:
+    """Every name a model of ``num_layers`` layers has (on some rank), for ``info`` and validation; the layers
+    in ``moe_layers`` are mixture-of-experts layers (router points, no dense-MLP internals)."""
+    attention = [
         "hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_pattern", "attn.hook_z",
-        "hook_attn_out", "hook_resid_mid", "mlp.hook_pre", *(["mlp.hook_pre_linear"] if gated else []),
+        "hook_attn_out", "hook_resid_mid",
+    ]  # fmt: skip
+    dense = [
+        *attention, "mlp.hook_pre", *(["mlp.hook_pre_linear"] if gated else []),
         "mlp.hook_post", "hook_mlp_out", "hook_resid_post", "attn.W_QKV", "attn.W_O", "mlp.W_in", "mlp.W_out",
     ]  # fmt: skip
+    moe = [
+        *attention, "moe.hook_router_logits", "moe.hook_expert_choice", "moe.hook_expert_weights",
+        "hook_mlp_out", "hook_resid_post", "attn.W_QKV", "attn.W_O",
+    ]  # fmt: skip
+    chosen = set(moe_layers)
     names = ["hook_embed"]
-    names += [f"blocks.{layer}.{site}" for layer in range(num_layers) for site in per_layer]
+    names += [f"blocks.{layer}.{site}" for layer in range(num_layers) for site in (moe if layer in chosen else dense)]
     return names + ["ln_final.hook_normalized", "hook_logits"]
+
+
+def moe_layers_of(config: Any) -> list[int]:
+    """The (global, 0-based) indices of the mixture-of-experts layers of a model with this config."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    from lightning_megatron.models.moe import moe_layer_pattern
+
+    pattern = moe_layer_pattern(int(config.num_layers), config.moe_layer_freq)
+    return [index for index, is_moe in enumerate(pattern) if is_moe]
+
+
+def moe_facts(config: Any) -> dict[str, Any]:
+    """What a UI needs to show the router (``info.engine.model.moe``): expert count, top-k, the MoE layers;
+    empty for a dense model."""
+    layers = moe_layers_of(config)
+    if not layers:
+        return {}
+    return {"moe": {"experts": int(config.num_moe_experts), "topk": int(config.moe_router_topk), "layers": layers}}
+
+
+def point_names_of(config: Any) -> list[str]:
+    """``all_point_names`` of the model a megatron-core ``TransformerConfig`` describes."""
+    return all_point_names(int(config.num_layers), bool(config.gated_linear_unit), moe_layers_of(config))

@@ -32,6 +32,38 @@ export type Float = number | ("NaN" | "Infinity" | "-Infinity");
  */
 export type Reducer = SliceReducer | AxisReducer | DownsampleReducer | HistogramReducer | TopkReducer;
 /**
+ * One perturbation. site: a probe point name, a glob, or a site group the engine lists in info.engine.perturbations.sites. The exact meaning of strength per kind is the engine's (info.engine.perturbations); the server only checks types and ranges. stuck needs value; disable (router logits only) needs experts.
+ */
+export type Perturbation = {
+  site: NamePattern;
+  kind: "gaussian" | "uniform" | "bitflip" | "zero" | "stuck" | "disable";
+  strength?: number;
+  seed?: Seed;
+  /**
+   * Only these layers (null or absent: all).
+   *
+   * @maxItems 256
+   */
+  layers?: Layer[] | null;
+  /**
+   * Only these heads (null or absent: all).
+   *
+   * @maxItems 256
+   */
+  heads?: Head[] | null;
+  /**
+   * stuck: the value elements are stuck at.
+   */
+  value?: number;
+  /**
+   * Router logits only (blocks.L.moe.hook_router_logits): only these experts' logits (null or absent: all); disable: the experts never chosen.
+   *
+   * @maxItems 256
+   */
+  experts?: number[] | null;
+  enabled?: boolean;
+};
+/**
  * What a client sends, as the single argument of the Socket.IO event "request".
  */
 export type ClientRequest =
@@ -164,32 +196,6 @@ export interface Probe {
    * @maxItems 4
    */
   reduce?: Reducer[];
-}
-/**
- * One perturbation. site: a probe point name, a glob, or a site group the engine lists in info.engine.perturbations.sites. The exact meaning of strength per kind is the engine's (info.engine.perturbations); the server only checks types and ranges. stuck needs value.
- */
-export interface Perturbation {
-  site: NamePattern;
-  kind: "gaussian" | "uniform" | "bitflip" | "zero" | "stuck";
-  strength?: number;
-  seed?: Seed;
-  /**
-   * Only these layers (null or absent: all).
-   *
-   * @maxItems 256
-   */
-  layers?: Layer[] | null;
-  /**
-   * Only these heads (null or absent: all).
-   *
-   * @maxItems 256
-   */
-  heads?: Head[] | null;
-  /**
-   * stuck: the value elements are stuck at.
-   */
-  value?: number;
-  enabled?: boolean;
 }
 /**
  * Liveness check; answered by pong.

@@ -10,6 +10,8 @@ export interface PerturbationRow {
   /** Layers as typed: "0, 2-4"; empty for all layers. */
   layers: string;
   heads: string;
+  /** Router logits only: experts as typed ("3", "0-1"); empty for all (disable needs some). */
+  experts: string;
   strength: number;
   seed: number;
   value: number;
@@ -23,6 +25,7 @@ export const STRENGTH_HELP: Record<string, string> = {
   bitflip: "probability per element of one flipped bit (0–1)",
   zero: "probability per element of a zero (0–1)",
   stuck: "probability per element of the stuck value (0–1)",
+  disable: "the experts' router logits → −∞: never chosen (router logits only; strength unused)",
 };
 
 export const PROBABILITY_KINDS = new Set(["bitflip", "zero", "stuck"]);
@@ -36,6 +39,7 @@ export function newRow(partial: Partial<PerturbationRow> = {}): PerturbationRow 
     site: "system",
     layers: "",
     heads: "",
+    experts: "",
     strength: 0.1,
     seed: 0,
     value: 0,
@@ -86,6 +90,13 @@ export function toPerturbation(row: PerturbationRow, numLayers: number | null = 
   const out: Perturbation = { site, kind: row.kind, strength: row.strength, seed: row.seed, enabled: row.enabled };
   if (layers !== null) out.layers = layers;
   if (heads !== null) out.heads = heads;
+  const experts = parseIndexList(row.experts);
+  if (experts !== null || row.kind === "disable") {
+    if (!/(^|\.)moe\.hook_router_logits$/.test(site))
+      throw new RangeError("experts: only router logits (blocks.L.moe.hook_router_logits) have experts");
+    if (experts === null) throw new RangeError("experts: disable needs the experts to turn off, e.g. 3");
+    out.experts = experts;
+  }
   if (row.kind === "stuck") {
     if (!Number.isFinite(row.value)) throw new RangeError("value: a number");
     out.value = row.value;
@@ -100,6 +111,7 @@ export function fromPerturbation(p: Perturbation): PerturbationRow {
     site: p.site,
     layers: p.layers ? compactList(p.layers) : "",
     heads: p.heads ? compactList(p.heads) : "",
+    experts: p.experts ? compactList(p.experts) : "",
     strength: p.strength ?? 0,
     seed: p.seed ?? 0,
     value: p.value ?? 0,
@@ -125,7 +137,9 @@ export function describe(p: Perturbation): string {
   const where = p.layers && p.layers.length ? `, layers ${compactList(p.layers)}` : "";
   const heads = p.heads && p.heads.length ? `, heads ${compactList(p.heads)}` : "";
   const value = p.kind === "stuck" ? ` → ${p.value}` : "";
-  return `${p.kind} ${p.strength ?? 0}${value} on ${p.site}${where}${heads}`;
+  const experts = p.experts && p.experts.length ? `, experts ${compactList(p.experts)}` : "";
+  if (p.kind === "disable") return `disable experts ${compactList(p.experts ?? [])} on ${p.site}${where}`;
+  return `${p.kind} ${p.strength ?? 0}${value} on ${p.site}${where}${heads}${experts}`;
 }
 
 /** Site choices: the engine's groups first, then every per-layer site as a glob over layers. */

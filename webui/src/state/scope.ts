@@ -7,6 +7,7 @@ import { RequestError, ScopeClient, takeToken, type ConnectionState, type Reques
 import type { EngineInfo, InfoEvent, Perturbation, ServerEvent } from "../protocol/schema.gen";
 import { Generation } from "./generation";
 import { fromPerturbation, newRow, toPerturbation, type PerturbationRow } from "./perturbations";
+import { moeFacts, type MoeFacts } from "./router";
 import { buildGenerate, loadSettings, saveSettings, siteOfPattern, type Settings } from "./settings";
 import { TrainingRun } from "./training";
 
@@ -19,7 +20,7 @@ export interface Notice {
 export type EngineFacts = EngineInfo & {
   paused?: boolean;
   sampled?: { interval: number; window: number; start_step: number };
-  model?: Record<string, number | string | boolean>;
+  model?: Record<string, number | string | boolean | object>;
   layout?: Record<string, number | boolean>;
   limits?: Record<string, number>;
 };
@@ -97,6 +98,17 @@ export class Scope {
     return typeof n === "number" ? n : null;
   }
 
+  /** The router facts of a mixture-of-experts model (null: dense, or facts this page cannot read: noticed). */
+  get moe(): MoeFacts | null {
+    try {
+      return moeFacts(this.engine?.model);
+    } catch (error) {
+      const text = `router view off: ${(error as Error).message}`;
+      if (!this.notices.value.some((n) => n.text === text)) this.notify("error", text);
+      return null;
+    }
+  }
+
   /** Sites the form captures: the user's choice, else the engine's default probes. */
   get selectedSites(): string[] {
     if (this.settings.sites !== null) return this.settings.sites;
@@ -170,6 +182,7 @@ export class Scope {
         numLayers: this.numLayers,
         defaultProbes: this.engine?.default_probes,
         maxNewTokens: this.engine?.limits?.max_new_tokens ?? null,
+        moe: this.moe !== null,
       });
     } catch (error) {
       this.notify("warn", (error as Error).message);

@@ -1,5 +1,6 @@
 // The generation form, kept in localStorage so prompts and settings survive a new session.
 import type { GenerateRequest, Probe } from "../protocol/schema.gen";
+import { CHOICE_SITE, routerProbes, WEIGHTS_SITE } from "./router";
 
 export interface Settings {
   prompts: string[];
@@ -68,6 +69,7 @@ export function probeSites(probes: string[] | undefined): string[] {
     if (!match) continue;
     const site = match[1];
     if (site.startsWith("W_") || site.includes(".W_") || site.endsWith("hook_pattern")) continue;
+    if (site === CHOICE_SITE || site === WEIGHTS_SITE) continue; // expert indices: the router views show them
     sites.add(site);
   }
   return [...sites];
@@ -82,6 +84,8 @@ export interface RequestContext {
   numLayers: number | null;
   defaultProbes: Probe[] | undefined;
   maxNewTokens: number | null;
+  /** A mixture-of-experts model: also capture the experts each token goes to (the router views). */
+  moe?: boolean;
 }
 
 /** The generate request the form describes (without v/id). */
@@ -108,6 +112,7 @@ export function buildGenerate(settings: Settings, context: RequestContext): Omit
       reduce: [{ kind: "downsample", axis: -1, bins }],
     }));
   }
+  if (context.moe) request.probes = [...(request.probes ?? context.defaultProbes ?? []), ...routerProbes()];
   const layers = (settings.attentionLayers ?? defaultAttentionLayers(context.numLayers)).filter(
     (l) => context.numLayers === null || l < context.numLayers,
   );
