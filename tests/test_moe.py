@@ -114,6 +114,8 @@ def test_moe_settings_are_checked() -> None:
         GPTModule(num_moe_experts=1)
     with pytest.raises(MegatronConfigError, match="moe_layer_freq"):
         GPTModule(num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0])
+    with pytest.raises(MegatronConfigError, match="Set add_bias_linear=False"):
+        GPTModule(num_moe_experts=4, add_bias_linear=True)
     with pytest.raises(MegatronConfigError, match="moe_token_dispatcher_type"):
         GPTModule(num_moe_experts=4, moe_token_dispatcher_type="flex")
     with pytest.raises(MegatronConfigError, match="GPTModule\\(num_moe_experts=...\\)"):
@@ -124,7 +126,9 @@ def test_moe_settings_are_checked() -> None:
         ParallelLayout(tensor=2, expert=4).data_parallel_size(4)
     assert ParallelLayout(tensor=2, expert=2).data_parallel_size(4) == 2
     # the dropless dispatcher reads token counts on the host: no automatic CUDA graph
-    assert declares_graph_safe_step(GPTModule()) and not declares_graph_safe_step(GPTModule(num_moe_experts=4))
+    assert declares_graph_safe_step(GPTModule()) and not declares_graph_safe_step(
+        GPTModule(num_moe_experts=4, add_bias_linear=False)
+    )
 
 
 def test_expert_parallel_needs_experts_that_split(ranks: Any) -> None:
@@ -132,6 +136,8 @@ def test_expert_parallel_needs_experts_that_split(ranks: Any) -> None:
         ranks.run(2, fit_gpt, 2, steps=1, model={**MODEL, "num_moe_experts": 3}, expert_model_parallel_size=2)
     with pytest.raises(Exception, match="the model has none"):
         ranks.run(2, fit_gpt, 2, steps=1, expert_model_parallel_size=2)
+    with pytest.raises(Exception, match="Set sequence_parallel=True"):
+        ranks.run(2, fit_gpt, 2, steps=1, model=MODEL, tensor_model_parallel_size=2)
     with pytest.raises(Exception, match="schedule='fbd' with num_moe_experts"):
         ranks.run(2, fit_gpt, 2, steps=1, model=MODEL, pipeline_model_parallel_size=2, schedule="fbd")
 

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.trainer.states import TrainerFn
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -163,8 +164,9 @@ class GPTModule(MegatronLightningModule):
             0/1, one per layer.
         moe_grouped_gemm: Run each rank's experts as two grouped GEMMs (``torch._grouped_mm``, bf16;
             ``layers.grouped_experts``) instead of two GEMMs per expert in turn (megatron-core's ``SequentialMLP``,
-            the default). The same parameters and checkpoints; needs ``add_bias_linear=False``. Off by default until
-            measured on GPUs.
+            the default). The same parameters and checkpoints. Off by default until measured on GPUs. MoE layers
+            need ``add_bias_linear=False`` (a megatron-core 0.16.1 bug with expert biases) and, when training at
+            TP > 1, ``sequence_parallel=True``.
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
             ``{"recompute_modules": ["core_attn", "mlp"]}``), applied last; unknown names are an error, and so
             are the three recompute fields above (pass them as arguments).
@@ -264,7 +266,14 @@ class GPTModule(MegatronLightningModule):
         if self._config is None:
             hp = self.hparams
             self.parallel.layout.check_num_layers(hp.num_layers)
-            check_expert_layout(hp.num_moe_experts, self.parallel.layout.expert)
+            layout = self.parallel.layout
+            check_expert_layout(
+                hp.num_moe_experts,
+                layout.expert,
+                tensor_parallel=layout.tensor,
+                sequence_parallel=layout.sequence_parallel,
+                training=self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING,
+            )
             if self._moe and self.megatron.replays_cuda_graphs:
                 raise MegatronConfigError(
                     "cuda_graphs=True with num_moe_experts: the MoE layer's dispatcher reads the tokens per expert on "

@@ -103,10 +103,11 @@ def check_moe(
     moe_layer_pattern(num_layers, moe_layer_freq)
     if moe_grouped_gemm not in (True, False):
         raise MegatronConfigError(f"moe_grouped_gemm={moe_grouped_gemm!r}: true or false.")
-    if moe_grouped_gemm and add_bias_linear:
+    if add_bias_linear:
         raise MegatronConfigError(
-            "moe_grouped_gemm=True runs the experts' GEMMs without biases: set add_bias_linear=False, or "
-            "moe_grouped_gemm=False."
+            "num_moe_experts with add_bias_linear=True: megatron-core 0.16.1's experts add their output bias in "
+            "place on a view, which autograd refuses in the first forward. Set add_bias_linear=False (Mixtral-, "
+            "Qwen- and DeepSeek-style MoE models have no biases)."
         )
     return {
         "num_moe_experts": num_moe_experts,
@@ -118,9 +119,23 @@ def check_moe(
     }
 
 
-def check_expert_layout(num_moe_experts: Optional[int], expert_parallel: int) -> None:
+def check_expert_layout(
+    num_moe_experts: Optional[int],
+    expert_parallel: int,
+    *,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    training: bool = True,
+) -> None:
     """Raise unless the experts split evenly over ``expert_model_parallel_size`` ranks (each rank holds
-    ``num_moe_experts / expert_model_parallel_size`` whole experts)."""
+    ``num_moe_experts / expert_model_parallel_size`` whole experts), and unless a training run at tensor
+    parallelism has sequence parallelism (megatron-core's MoE layer raises in its first training forward
+    otherwise)."""
+    if num_moe_experts is not None and training and tensor_parallel > 1 and not sequence_parallel:
+        raise MegatronConfigError(
+            f"num_moe_experts with tensor_model_parallel_size={tensor_parallel}: megatron-core's MoE layer trains "
+            "only with sequence parallelism at TP > 1. Set sequence_parallel=True on the strategy."
+        )
     if num_moe_experts is None:
         if expert_parallel > 1:
             raise MegatronConfigError(
