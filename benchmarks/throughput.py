@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -242,9 +243,8 @@ def _launch(
     ranks = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != gpus:
         log = proc.stdout + proc.stderr
-        # the worker's own exception (torchrun's report of the failure comes after it and says less)
-        raised = [line for line in log.splitlines() if line.strip() and "Error" in line and "elastic" not in line]
-        return {"error": f"exit {proc.returncode}", "raised": raised[-8:], "log_tail": log[-3000:]}
+        # the worker's own exceptions (torchrun's report of the failure comes after them and says less)
+        return {"error": f"exit {proc.returncode}", "raised": raised_exceptions(log)[-8:], "log_tail": log[-3000:]}
     step = statistics.median(max(r["step_seconds"][i] for r in ranks) for i in range(len(ranks[0]["step_seconds"])))
     dp = gpus // (tp * pp)
     gbs = model["micro_batch_size"] * model["num_microbatches"] * dp
@@ -273,6 +273,20 @@ def _launch(
         "peak_memory_gib": max(r["peak_memory_gib"] for r in ranks),
         **({"symmetric_all_reduce": ranks[0]["symmetric_all_reduce"]} if "symmetric_all_reduce" in ranks[0] else {}),
     }
+
+
+def raised_exceptions(log: str) -> list[str]:
+    """The exception line that ends each Python traceback in ``log`` (whatever the exception's class is called:
+    dynamo's ``FailOnRecompileLimitHit`` has no "Error" in its name), with torch's ``[rankN]:`` prefix removed."""
+    raised, in_traceback = [], False
+    for line in log.splitlines():
+        line = re.sub(r"^\[rank\d+\]: ?", "", line)
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line and not line.startswith((" ", "\t")):
+            raised.append(line)
+            in_traceback = False
+    return raised
 
 
 def _takes(runner: str, key: str) -> bool:

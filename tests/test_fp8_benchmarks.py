@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fp8_loss_curves import compare  # noqa: E402
-from throughput import _check_runners  # noqa: E402
+from throughput import _check_runners, raised_exceptions  # noqa: E402
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -83,3 +83,20 @@ def test_compare_measures_against_bf16() -> None:
     assert summary["tensorwise"]["max_relative_difference_step"] == 2
     assert summary["rowwise"]["steps_compared"] == 2 and summary["rowwise"]["final_loss_ratio"] == 1.0
     assert "bf16" not in summary
+
+
+def test_a_failed_runs_exceptions_are_kept_whatever_their_names() -> None:
+    """A worker's exception lines reach the result (dynamo's ``FailOnRecompileLimitHit`` has no "Error" in it);
+    torchrun's later lines that merely mention errors do not."""
+    log = "\n".join(
+        [
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "worker.py", line 3, in <module>',
+            "[rank0]:     step()",
+            "[rank0]: torch._dynamo.exc.FailOnRecompileLimitHit: recompile_limit reached with fullgraph=True",
+            "E1129 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1) ChildFailedError",
+        ]
+    )
+    assert raised_exceptions(log) == [
+        "torch._dynamo.exc.FailOnRecompileLimitHit: recompile_limit reached with fullgraph=True"
+    ]
