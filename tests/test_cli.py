@@ -234,11 +234,11 @@ def test_the_light_parsers_offer_the_library_s_choices() -> None:
     """The parsers repeat a few constants so as not to import torch; they must stay equal to the library's."""
     from lightning_megatron import cli_commands
     from lightning_megatron.pipeline.dpp.scenario import DELAY_KINDS
-    from lightning_megatron.scope.perturb import KINDS
+    from lightning_megatron.scope.perturb import SWEEP_KINDS
     from lightning_megatron.scope.sites import SITE_GROUPS
 
     assert cli_commands._DELAY_KINDS == DELAY_KINDS
-    assert cli_commands._SCOPE_KINDS == KINDS
+    assert cli_commands._SCOPE_KINDS == SWEEP_KINDS
     assert set(cli_commands._SCOPE_SITES) == set(SITE_GROUPS)
 
 
