@@ -109,7 +109,8 @@ def _scan() -> CommandParser:
 # -- scope --------------------------------------------------------------------------------------------------------
 
 _SCOPE_SITES = ("system", "calculation", "storage")
-_SCOPE_KINDS = ("gaussian", "uniform", "bitflip", "zero", "stuck")  # scope.perturb.SWEEP_KINDS (a test keeps them equal)
+# scope.perturb.SWEEP_KINDS (a test keeps them equal)
+_SCOPE_KINDS = ("gaussian", "uniform", "bitflip", "zero", "stuck")
 
 
 def _layout_arguments(parser: argparse.ArgumentParser) -> None:
