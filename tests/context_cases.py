@@ -77,16 +77,3 @@ def greedy_continuation(module: Any) -> dict[str, Any]:
         out[f"tokens/{kv_cache}"] = result.tokens
         out[f"logits/{kv_cache}"] = torch.stack(logits) if logits else None
     return out
-
-
-def scope_refusal(module: Any) -> str:
-    """What MegaScope's ``capture`` says after a context-parallel fit (a probe run inside the rank)."""
-    from lightning_megatron.errors import MegatronConfigError
-    from lightning_megatron.scope import capture
-
-    try:
-        with capture(module, ["blocks.0.hook_resid_pre"]):
-            pass
-    except MegatronConfigError as err:
-        return str(err)
-    return "captured"

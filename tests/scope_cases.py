@@ -381,3 +381,45 @@ def perturbation_held_during_training(world: int, steps: int, off_at: int, **lay
     finally:
         Perturber._perturbed = original  # type: ignore[method-assign]
     return {"changed": changed, "logged": logged, "history": scope.history}
+
+
+CP_SEQ = 16  # splits into 2 × CP2 × TP2 chunks (context parallelism with sequence parallelism)
+CP_PERTURBATIONS = {
+    "resid-gaussian": dict(site="blocks.1.hook_resid_post", kind="gaussian", strength=0.3, seed=5),
+    "z-zero": dict(site="blocks.0.attn.hook_z", kind="zero", strength=0.2, seed=3),
+    "k-head-gaussian": dict(site="blocks.0.attn.hook_k", kind="gaussian", strength=0.5, seed=2, heads=[1]),
+    "weight-gaussian": dict(site="blocks.0.mlp.W_in", kind="gaussian", strength=0.05, seed=7),
+}
+
+
+def without_pattern(name: str) -> bool:
+    return not name.endswith("hook_pattern")
+
+
+def context_parallel_probes(world: int, model: dict[str, Any], **layout: Any) -> dict[str, Any]:
+    """At a layout (context parallelism or one process): every capturable point but the attention pattern over a
+    fixed batch, the loss under each of ``CP_PERTURBATIONS`` and without, what capturing ``hook_pattern`` in a
+    training forward says, and a greedy generation's captures (whole sequences on every rank, pattern included)."""
+    from lightning_megatron.errors import MegatronConfigError
+
+    trainer, module = build(world, model, **layout)
+    batch = batch_of(torch.randint(0, 120, (BATCH, CP_SEQ), generator=torch.Generator().manual_seed(3)))
+    out: dict[str, Any] = {}
+    with capture(module, without_pattern) as cache:
+        out["clean_loss"] = float(trainer.strategy.forward_backward(batch, forward_only=True).loss)
+    out["captures"] = {name: cache[name] for name in cache} if cache.is_server else None
+    out["losses"] = {}
+    for label, pert in CP_PERTURBATIONS.items():
+        with perturb(module, **pert):
+            out["losses"][label] = float(trainer.strategy.forward_backward(batch, forward_only=True).loss)
+    try:
+        with capture(module, ["blocks.0.attn.hook_pattern"]):
+            pass
+        out["refusal"] = "captured"
+    except MegatronConfigError as err:
+        out["refusal"] = str(err)
+    names = ["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern", "hook_logits"]
+    with capture(module, names, whole_sequences=True) as cache:
+        module.generate([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], 3, temperature=0, kv_cache=False)
+    out["generated"] = {name: cache[name] for name in cache} if cache.is_server else None
+    return out

@@ -9,10 +9,12 @@ global without anything passed to the model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["cp_chunk_indices", "gather_sequence", "split_sequence"]
+__all__ = ["cp_chunk_indices", "gather_sequence", "merge_sequence", "split_sequence"]
 
 
 def cp_chunk_indices(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -30,6 +32,20 @@ def split_sequence(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torc
     return tensor.index_select(dim, cp_chunk_indices(tensor.shape[dim], size, rank, tensor.device))
 
 
+def merge_sequence(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The full sequence from every rank's :func:`split_sequence` share, given in rank order (the inverse of
+    splitting over all ranks; no communication: whoever holds the shares puts them back in order)."""
+    size = len(parts)
+    if size == 1:
+        return parts[0]
+    gathered = torch.cat(list(parts), dim=dim)
+    seq_len = gathered.shape[dim]
+    order = torch.cat([cp_chunk_indices(seq_len, size, r, gathered.device) for r in range(size)])
+    result = torch.empty_like(gathered)
+    result.index_copy_(dim, order, gathered)
+    return result
+
+
 def gather_sequence(local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The full sequence from every rank's :func:`split_sequence` share (all-gather, then back into order)."""
     size = dist.get_world_size(group)
@@ -37,9 +53,4 @@ def gather_sequence(local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> 
         return local
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    seq_len = local.shape[dim] * size
-    gathered = torch.cat(parts, dim=dim)
-    order = torch.cat([cp_chunk_indices(seq_len, size, r, local.device) for r in range(size)])
-    result = torch.empty_like(gathered)
-    result.index_copy_(dim, order, gathered)
-    return result
+    return merge_sequence(parts, dim)

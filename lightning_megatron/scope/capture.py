@@ -17,6 +17,12 @@ Contract::
 * Only data-parallel rank 0 records (replicas hold the same activations for other data). Forwards that run
   during the backward (activation recomputation) are not recorded twice.
 * ``heads`` limits ``hook_pattern`` to those heads (under ``layer_spec="sdpa"`` only they are recomputed).
+* Context parallelism (CP > 1): each context-parallel rank records its share of the sequence (two load-balanced
+  chunks); the serving rank assembles each share over TP and then the shares into the whole sequence, so a capture
+  equals CP1's. ``hook_pattern`` is refused there (``MegatronConfigError`` on ``attach``): under ring attention no
+  rank ever holds more than one block of the ``[q, k]`` matrix, and rebuilding it would gather every rank's keys.
+  Forwards that run whole sequences on every context-parallel rank (generation, ``context.whole_sequences``; pass
+  ``whole_sequences=True``, which also allows ``hook_pattern``) are recorded by context-parallel rank 0 alone.
 * Zero cost when off: hooks exist only inside the context.
 """
 
@@ -78,6 +84,7 @@ class _Shard:
     microbatch: int
     call: int
     tp_rank: int
+    cp_rank: int
     start: int
     end: int
     tensor: Optional[torch.Tensor]
@@ -183,6 +190,7 @@ class Capture:
         heads: Optional[Sequence[int]] = None,
         serving_rank: int = 0,
         to_cpu: bool = True,
+        whole_sequences: bool = False,
     ) -> None:
         self.chunks = chunks_of(model)
         self.tap = Tap.of(self.chunks, strategy_of(model))
@@ -193,6 +201,8 @@ class Capture:
         self.heads = _checked_heads(heads, self.chunks[0].config.num_attention_heads)
         self.serving_rank = serving_rank
         self.to_cpu = to_cpu
+        self.whole_sequences = whole_sequences
+        """The forwards run whole sequences on every context-parallel rank (generation): ``hook_pattern`` is allowed."""
         self.cache = ScopeCache(is_server=collect.rank() == serving_rank)
         self._shards: list[_Shard] = []
         self._calls: dict[tuple[str, int, int], int] = defaultdict(int)
@@ -202,6 +212,11 @@ class Capture:
     def attach(self) -> None:
         collect.scope_group()  # collective on first use: create it while every rank is here
         self.tap.acquire()
+        try:
+            self._check_context_parallel()
+        except MegatronConfigError:
+            self.tap.release()
+            raise
         if self.tap.facts.dp_rank != 0:
             return  # data-parallel replicas: same model, other data; rank 0 of each stage speaks for them
         for point in self.points:
@@ -210,6 +225,19 @@ class Capture:
                 self._handles.append(point.module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 self._handles.append(point.module.register_forward_hook(hook, with_kwargs=True))
+
+    def _check_context_parallel(self) -> None:
+        """Refuse, on every rank at the same call and before any hook, what cannot be assembled at CP > 1."""
+        if self.tap.facts.cp_size == 1 or self.whole_sequences:
+            return
+        refused = [p.name for p in self.points if p.name.endswith("hook_pattern")]
+        if refused:
+            raise MegatronConfigError(
+                f"capture: {refused[0]!r} (attention probabilities) cannot be captured at context_parallel_size="
+                f"{self.tap.facts.cp_size}: under ring attention no rank holds the [q, k] matrix. Leave the "
+                "'attn.hook_pattern' points out of the names (e.g. capture 'attn.hook_q' and 'attn.hook_k' and "
+                "compute it), or probe the checkpoint at context_parallel_size=1."
+            )
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -231,6 +259,13 @@ class Capture:
         def read(args: tuple, kwargs: dict, output: Any) -> None:
             if state.phase == "backward":
                 return  # activation recomputation: already recorded in the forward
+            if self.tap.redundant:
+                return  # a whole sequence that context-parallel rank 0 records too
+            if pattern and state.cp_size > 1:
+                raise MegatronConfigError(
+                    f"capture: {point.name!r} cannot be captured in a forward split over {state.cp_size} "
+                    "context-parallel ranks (ring attention); capture it in generation or at context_parallel_size=1."
+                )
             if not pattern:
                 self._keep(point, point.read(args, kwargs, output))
                 return
@@ -276,6 +311,7 @@ class Capture:
                 microbatch=state.microbatch,
                 call=call,
                 tp_rank=facts.tp_rank,
+                cp_rank=facts.cp_rank if state.cp_size > 1 else 0,
                 start=start,
                 end=end,
                 tensor=copy,
@@ -307,17 +343,25 @@ class Capture:
         facts = self.tap.facts
         first = parts[0]  # the points of other pipeline stages exist only there: their shards say how to join
         layout = first.layout
-        parts = sorted(parts, key=lambda s: s.tp_rank)
+        parts = sorted(parts, key=lambda s: (s.cp_rank, s.tp_rank))
         present = [p for p in parts if p.tensor is not None]
         start = min(p.start for p in present)
         end = max(p.end for p in present)
-        full = layout.assemble([p.tensor for p in present], facts.sequence_parallel)  # type: ignore[misc]
+        shares = sorted({p.cp_rank for p in present})
+
+        def whole(values: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+            """Over TP within each context-parallel share, then the shares along the sequence."""
+            joined = [layout.assemble([v for r, v in values if r == cp], facts.sequence_parallel) for cp in shares]
+            return layout.join_context(joined)
+
+        full = whole([(p.cp_rank, p.tensor) for p in present])  # type: ignore[misc]
         if first.half is not None:
             full = full.chunk(2, dim=layout.tp_dim)[first.half]
         logical = layout.logical(full)
         if first.reduced:
-            extras = [p.extra for p in present]
-            extra = None if extras[0] is None else layout.logical(layout.assemble(extras, facts.sequence_parallel))  # type: ignore[arg-type]
+            extra = None
+            if present[0].extra is not None:
+                extra = layout.logical(whole([(p.cp_rank, p.extra) for p in present]))  # type: ignore[misc]
             reduced = Reduced(logical, extra)
         else:
             reduced = apply_reducers(logical, self._reducers_for(first.name))
@@ -417,13 +461,17 @@ def capture(
     *,
     heads: Optional[Sequence[int]] = None,
     serving_rank: int = 0,
+    whole_sequences: bool = False,
 ) -> Iterator[ScopeCache]:
     """Record the probe points matching ``names_filter`` (names, globs, or a predicate) while inside.
 
     ``reducers`` maps name globs to reducer chains (``scope.reducers``: ``Reducer`` objects or mappings
-    such as ``{"kind": "topk", "k": 20, "softmax": True}``). See the module docstring for the rules.
+    such as ``{"kind": "topk", "k": 20, "softmax": True}``). ``whole_sequences``: the forwards inside run whole
+    sequences on every context-parallel rank (generation). See the module docstring for the rules.
     """
-    session = Capture(model, names_filter, reducers, heads=heads, serving_rank=serving_rank)
+    session = Capture(
+        model, names_filter, reducers, heads=heads, serving_rank=serving_rank, whole_sequences=whole_sequences
+    )
     session.attach()
     try:
         yield session.cache

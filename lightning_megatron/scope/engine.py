@@ -253,7 +253,8 @@ class ScopeEngine:
         names = [name for name, _ in chains] + whole
         heads = job["attention"]["heads"] if layers else None
         # nothing asked: no capture, no hooks at all
-        session = Capture(self.module, names, by_capture, heads=heads) if names else None
+        # generation decodes whole sequences on every context-parallel rank (``context.whole_sequences``)
+        session = Capture(self.module, names, by_capture, heads=heads, whole_sequences=True) if names else None
         rows = [StreamedText(self.tokenizer.decode, ids) for ids in job["prompts"]] if serving else []
         if serving:
             emit(

@@ -11,6 +11,13 @@ Contract: a ``ShardLayout`` maps between three views of a tensor that a hook see
 
 ``assemble`` builds *full* from the shards of all TP ranks (tp-rank order), ``local_part`` cuts this rank's
 shard out of a *full* tensor (how perturbation noise reaches a shard), ``logical`` reorders *full* for users.
+
+Under context parallelism (CP > 1) the sequence is split first, over context-parallel ranks, into Megatron's
+load-balanced chunks (``context.split``: rank r of N holds chunks r and 2N-1-r), and only each rank's share is then
+split over tensor-parallel ranks (sequence parallelism) as above. So *full* is assembled in two steps: every CP
+rank's share from its TP shards (``assemble``), then the shares into the whole sequence (``join_context``);
+``context_part`` and ``local_part`` cut the other way. Every tensor with positions along ``seq_dim`` is split so;
+weights (``seq_dim=None``) are whole on every CP rank.
 Two layouts need care: SwiGLU's ``linear_fc1`` holds ``[gate_r; up_r]`` on rank r (the full tensor is
 ``[gate; up]``, not the concatenation of shards), and vocab-parallel logits carry padded vocabulary rows.
 """
@@ -22,6 +29,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from lightning_megatron.context.split import merge_sequence, split_sequence
 
 __all__ = ["ShardLayout"]
 
@@ -86,6 +95,20 @@ class ShardLayout:
         elif self.tp_dim is not None:
             shape[self.tp_dim] *= tp_size
         return shape
+
+    # -- context-parallel shares <-> full --------------------------------------------------------------------
+    def join_context(self, shares: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole sequence from every context-parallel rank's share (each already assembled over TP), in
+        context-parallel rank order."""
+        if len(shares) == 1 or self.seq_dim is None:
+            return shares[0]
+        return merge_sequence(shares, self.seq_dim)
+
+    def context_part(self, full: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+        """This context-parallel rank's share of ``full`` (its two load-balanced chunks along ``seq_dim``)."""
+        if cp_size == 1 or self.seq_dim is None:
+            return full
+        return split_sequence(full, self.seq_dim, cp_size, cp_rank)
 
     # -- full -> what users see ----------------------------------------------------------------------------
     def logical(self, full: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ Rules that keep training correct (MegatronApp's weight noise ran under ``no_grad
   *full* (TP1) tensor and cut to each rank's shard (``scope.layout``). So activation recomputation, every TP
   rank holding a replicated tensor, every layout, and a KV-cache decode step (which sees one position)
   against a full recompute all see the same noise. Weights take noise per (seed, step, layer, site).
+  Under context parallelism the noise of the whole sequence is cut into each rank's two load-balanced chunks
+  (``ShardLayout.context_part``) before its tensor-parallel shard: every position gets the value it gets at CP1.
 * **Activations**: the replacement is ``f(x)`` with the noise detached, so the gradient is that of the
   perturbed function (multiplicative noise and masks scale or zero it); bit flips have no derivative and use
   a straight-through estimator (the forward gives the flipped value bit for bit, the backward the gradient of x).
@@ -344,6 +346,7 @@ class Perturber:
         for name, full in draws.items():
             if positions is not None and layout.seq_dim is not None:
                 full = full.narrow(layout.seq_dim, positions[0], positions[1] - positions[0])
+                full = layout.context_part(full, facts.cp_rank, state.cp_size)
             out[name] = layout.local_part(full, facts.tp_rank, facts.tp_size, facts.sequence_parallel)
         return out
 

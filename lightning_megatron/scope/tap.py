@@ -3,12 +3,15 @@
 Contract: ``Tap.of(chunks)`` is the one object per model that captures and perturbations share. While at
 least one of them is active (``acquire``/``release``, reference-counted) it keeps a forward pre-hook on each
 model chunk that records the absolute positions the forward computes (``offset``: the KV cache's
-``sequence_len_offset``, 0 without one; ``length``: the width of ``position_ids``). ``step``, ``microbatch``
+``sequence_len_offset``, 0 without one; ``length``: the width of ``position_ids``, times the context-parallel size
+when the forward is split over context-parallel ranks) and ``cp_size``: how many context-parallel ranks share the
+sequence of *this* forward (the model config's ``context_parallel_size``, read per forward: generation runs whole
+sequences at CP1 semantics on every rank, ``context.whole_sequences``). ``step``, ``microbatch``
 and ``phase`` are set by whoever drives the model (the training callback from the strategy's step
 listener; generation leaves them at 0). When nothing is active no hook is registered: zero cost when off.
 
-The parallel facts a hook needs (tensor-parallel rank and size, sequence parallelism, data-parallel rank)
-are read once from megatron-core's parallel state, or are those of one process when it is not initialized.
+The parallel facts a hook needs (tensor- and context-parallel rank and size, sequence parallelism,
+data-parallel rank) are read once from megatron-core's parallel state, or are those of one process when it is not initialized.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.strategy.listeners import StepListener
 
 __all__ = ["ForwardState", "ParallelFacts", "Tap", "strategy_of"]
@@ -42,6 +44,8 @@ class ParallelFacts:
     tp_size: int = 1
     dp_rank: int = 0
     sequence_parallel: bool = False
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @classmethod
     def read(cls, chunks: Sequence[torch.nn.Module]) -> ParallelFacts:
@@ -52,6 +56,8 @@ class ParallelFacts:
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             dp_rank=parallel_state.get_data_parallel_rank(),
             sequence_parallel=bool(getattr(chunks[0].config, "sequence_parallel", False)),
+            cp_rank=parallel_state.get_context_parallel_rank(),
+            cp_size=parallel_state.get_context_parallel_world_size(),
         )
 
 
@@ -64,6 +70,8 @@ class ForwardState:
     """``"backward"`` while the backward runs: forwards then are activation recomputation (not captured)."""
     offset: int = 0
     length: int = 0
+    cp_size: int = 1
+    """Context-parallel ranks the current forward's sequence is split over (1: every rank runs it whole)."""
     step_pinned: bool = False
     """Set by a driver that assigns ``step`` itself; otherwise the strategy's ``global_step`` is used."""
 
@@ -113,13 +121,6 @@ class Tap:
         return tap
 
     def acquire(self) -> None:
-        if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
-            # Checked on every rank at the same call, before any hook: captures and perturbations would see (and
-            # assemble as a whole sequence) only each rank's two chunks.
-            raise MegatronConfigError(
-                "MegaScope does not run at context_parallel_size > 1 yet: its captures and perturbations are not "
-                "assembled across context-parallel ranks. Load the checkpoint at context_parallel_size=1 to probe it."
-            )
         if self._users == 0:
             self.facts = ParallelFacts.read(self.chunks)  # the layout may differ from the last use
             self._handles = [c.register_forward_pre_hook(self._on_chunk_forward, with_kwargs=True) for c in self.chunks]
@@ -145,8 +146,11 @@ class Tap:
         context = kwargs.get("inference_context") or kwargs.get("inference_params")
         offset = getattr(context, "sequence_len_offset", 0) if context is not None else 0
         reference = positions if positions is not None else tokens
+        # Read per forward: inside ``context.whole_sequences`` the config says 1 and every rank runs it all.
+        cp_size = int(getattr(getattr(module, "config", None), "context_parallel_size", 1) or 1)
+        self.state.cp_size = cp_size if self.facts.cp_size > 1 else 1
         self.state.offset = int(offset or 0)
-        self.state.length = int(reference.shape[1]) if reference is not None else 0
+        self.state.length = int(reference.shape[1]) * self.state.cp_size if reference is not None else 0
 
     def positions_of(self, extent: int) -> tuple[int, int]:
         """Absolute positions of a tensor with ``extent`` positions computed by the current forward: the last
@@ -155,5 +159,12 @@ class Tap:
         return end - extent, end
 
     def positions_for_seq(self, local_extent: int, layout_split: bool) -> tuple[int, int]:
+        """Absolute positions of a tensor with ``local_extent`` positions on this rank: its sequence may be split
+        over tensor-parallel ranks (sequence parallelism, ``layout_split``) and over context-parallel ranks."""
         extent = local_extent * (self.facts.tp_size if layout_split and self.facts.sequence_parallel else 1)
-        return self.positions_of(extent)
+        return self.positions_of(extent * self.state.cp_size)
+
+    @property
+    def redundant(self) -> bool:
+        """This rank runs the current forward whole, as another context-parallel rank (rank 0) does too."""
+        return self.state.cp_size == 1 and self.facts.cp_rank != 0
