@@ -159,7 +159,7 @@ def test_grouped_gemm_experts_follow_the_sequential_ones(ranks: Any) -> None:
     """``moe_grouped_gemm=True`` (``torch._grouped_mm``, bf16 on CPUs too): the same model and parameters, so the
     bf16 fits follow the sequential experts' within bf16 rounding, at one process and at EP2 (two local experts
     each), and both give the same checkpointable parameter names."""
-    bf16 = dict(precision="bf16-mixed", steps=3)
+    bf16 = dict(precision="bf16-mixed", steps=3, timeout=300)  # bf16 GEMMs are slow on CPUs without AVX-512
     want = ranks.run(1, fit_gpt, 1, model=MODEL, **bf16)[0]
     for world, strategy in ((1, {}), (2, {"expert_model_parallel_size": 2})):
         for rank, got in enumerate(
@@ -200,7 +200,10 @@ def test_float8_keeps_the_experts_in_bf16(ranks: Any) -> None:
     (their token counts change every step and can be zero); at EP2 the losses stay within float8's 2e-2 of bf16."""
     model = {**MODEL, "hidden_size": 64, "moe_ffn_hidden_size": 64, "ffn_hidden_size": 128, "moe_layer_freq": 2}
 
-    want = ranks.run(2, fit_gpt, 2, steps=3, precision="bf16-mixed", model=model, expert_model_parallel_size=2)[0]
+    slow = 300  # bf16 GEMMs are slow on CPUs without AVX-512
+    want = ranks.run(
+        2, fit_gpt, 2, steps=3, precision="bf16-mixed", model=model, expert_model_parallel_size=2, timeout=slow
+    )[0]
     got = ranks.run(
         2,
         fit_gpt,
@@ -212,6 +215,7 @@ def test_float8_keeps_the_experts_in_bf16(ranks: Any) -> None:
         callbacks=[KeptInBf16()],
         expert_model_parallel_size=2,
         fp8_recipe="tensorwise",
+        timeout=slow,
     )[0]
     experts = [name for name, why in got["probe"].items() if why.startswith("an MoE expert")]
     assert experts and all(".experts." in name for name in experts), got["probe"]
