@@ -113,19 +113,24 @@ def test_compiled_casts_and_gemms_give_the_eager_bits() -> None:
     assert torch.equal(compiled.grad_weight(g, x, torch.float32), eager.grad_weight(g, x, torch.float32))
 
 
-def test_past_the_recompile_limit_the_gemms_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_the_recompile_limit_the_gemms_still_run() -> None:
     """A model with more linear shapes than dynamo recompiles a function for: the further shapes run eagerly
-    instead of failing the fit (a full-graph compile raises there)."""
+    instead of failing the fit (a full-graph compile raises there). The limit is lowered with dynamo's own
+    ``config.patch``: pytest's ``monkeypatch`` deletes the setting on undo (torch's config module), and every rank
+    forked afterwards (the test suite's worker pool) then fails in its first compile."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    compiled, eager = Float8Recipe("tensorwise", emulate=True, compile=True), Float8Recipe("tensorwise", emulate=True)
-    for rows, cols in ((16, 32), (24, 48), (8, 64)):
-        x = torch.randn(rows, cols, dtype=torch.bfloat16)
-        w = torch.randn(16, cols, dtype=torch.bfloat16)
-        assert torch.equal(compiled.output(x, w), eager.output(x, w))
+    limit = torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = Float8Recipe("tensorwise", emulate=True, compile=True)
+        eager = Float8Recipe("tensorwise", emulate=True)
+        for rows, cols in ((16, 32), (24, 48), (8, 64)):
+            x = torch.randn(rows, cols, dtype=torch.bfloat16)
+            w = torch.randn(16, cols, dtype=torch.bfloat16)
+            assert torch.equal(compiled.output(x, w), eager.output(x, w))
     torch._dynamo.reset()
+    assert torch._dynamo.config.recompile_limit == limit  # restored, not deleted
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
