@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lightning_megatron.scan import MegaScan
 
-MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "num_layers": 2}
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "num_layers": 2, "add_bias_linear": False}
 QUOTA_CPUS, QUOTA_PERIOD_MS = 0.15, 10.0  # a container's CPU limit, in short periods: every span is hit alike
 CPU_THRESHOLDS = {"min_slowdown": 0.3, "min_impact": 0.05}  # one core per rank, but a shared machine
 

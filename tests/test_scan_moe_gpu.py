@@ -34,7 +34,7 @@ scan = MegaScan(trace_dir, interval=1, window=1, start_step=2, gpu_busy_every=1)
 callbacks = [scan] + ([CompetingProcess(ranks=[1], kind="gpu", start_step=2)] if mode == "shared" else [])
 model = dict(
     vocab_size=1024, seq_length=512, num_layers=4, hidden_size=1024, num_attention_heads=8, layer_spec="sdpa",
-    num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2048,
+    num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2048, add_bias_linear=False,
 )
 out = fit_gpt(2, steps=24, precision="bf16-mixed", accelerator="gpu", model=model, callbacks=callbacks,
               data={"vocab_size": 1024, "seq_length": 512, "global_batch_size": 16}, expert_model_parallel_size=2,

@@ -29,6 +29,7 @@ from lightning_megatron.models.moe import (
     MoETokenDispatcher,
     check_expert_layout,
     check_moe,
+    forget_aux_losses,
     separate_expert_parameters,
 )
 from lightning_megatron.models.recompute import (
@@ -333,6 +334,7 @@ class GPTModule(MegatronLightningModule):
                 rope_compat.install()
             if self._moe:
                 moe_compat.install()
+                forget_aux_losses()  # megatron-core's tracker is sized by the last MoE model this process built
                 if self.parallel.on_cpu:
                     gloo_uneven.install()
             self._config = TransformerConfig(**fields)

@@ -26,6 +26,7 @@ __all__ = [
     "MoETokenDispatcher",
     "check_expert_layout",
     "check_moe",
+    "forget_aux_losses",
     "moe_layer_pattern",
     "separate_expert_parameters",
 ]
@@ -166,6 +167,16 @@ def separate_expert_parameters(model: torch.nn.Module) -> None:
                 param.allreduce = False
 
 
+def forget_aux_losses() -> None:
+    """Empty megatron-core's auxiliary-loss tracker, a process global whose entries keep the layer count and process
+    groups of the model that made them: a later model with more layers (a second fit, validation of another
+    model, a test suite's reused ranks) indexed past them (``IndexError`` in ``save_to_aux_losses_tracker``), and a
+    stage without MoE layers would reduce over an earlier fit's groups."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
 class AuxLosses:
     """The router's auxiliary losses of one step, as logged values (see the module docstring)."""
 
@@ -179,11 +190,7 @@ class AuxLosses:
             self.names.append("z_loss")
         self.num_layers = config.num_layers
         self.num_moe_layers = sum(moe_layer_pattern(config.num_layers, config.moe_layer_freq))
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        # megatron-core's tracker is a process global: entries of an earlier fit in this process hold that fit's
-        # process groups (and a stage without MoE layers would reduce over them).
-        get_moe_layer_wise_logging_tracker().clear()
+        forget_aux_losses()  # entries of an earlier fit in this process (see forget_aux_losses)
 
     def clear(self) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
