@@ -113,3 +113,14 @@ def failure_text(stderr: str, limit: int = 6000) -> str:
                 blocks.append("\n".join(current))
                 current = None
     return ("\n\n".join(blocks) or stderr)[-limit:]
+
+
+def run_scripts(source: str, runs: dict[str, list[str]], timeout: float = 600) -> dict[str, Any]:
+    """Write ``source`` to a scratch script and :func:`run_script` it once per entry of ``runs`` (name: its
+    arguments), each in its own process (megatron-core's global state is per process); the results by name."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "fit.py"
+        script.write_text(source)
+        return {name: run_script(script, *args, timeout=timeout) for name, args in runs.items()}

@@ -16,13 +16,12 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gpu_work import LLAMA_STYLE_LAYERS, record, run_script
+from gpu_work import LLAMA_STYLE_LAYERS, record, run_scripts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -96,13 +95,8 @@ BF16_TOL = 0.03  # float8 against bf16, relative loss, over 12 steps of this mod
 
 
 def _fits(runs: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    out = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        script = Path(scratch) / "float8_fit.py"
-        script.write_text(_FIT)
-        for name, (recipe, extra) in runs.items():
-            out[name] = run_script(script, recipe, json.dumps(LLAMA_SHAPE), json.dumps(extra))
-    return out
+    shape = json.dumps(LLAMA_SHAPE)
+    return run_scripts(_FIT, {name: [recipe, shape, json.dumps(extra)] for name, (recipe, extra) in runs.items()})
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:

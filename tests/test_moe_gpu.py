@@ -12,13 +12,12 @@ numbers go (``moe_gpu.json``).
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gpu_work import LLAMA_STYLE_LAYERS, record, run_script
+from gpu_work import LLAMA_STYLE_LAYERS, record, run_scripts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -58,13 +57,8 @@ BF16_TOL = 0.02  # relative loss over 12 steps: grouped against sequential, EP2 
 
 
 def _fits(runs: dict[str, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    out = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        script = Path(scratch) / "moe_fit.py"
-        script.write_text(_FIT)
-        for name, (model, extra) in runs.items():
-            out[name] = run_script(script, json.dumps({**MIXTRAL_SHAPE, **model}), json.dumps(extra))
-    return out
+    args = {name: [json.dumps({**MIXTRAL_SHAPE, **model}), json.dumps(extra)] for name, (model, extra) in runs.items()}
+    return run_scripts(_FIT, args)
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:
