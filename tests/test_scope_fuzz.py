@@ -244,7 +244,7 @@ PACKETS = st.one_of(
 def test_every_malformed_packet_is_answered(fuzzed, body):
     """A Socket.IO event packet whose payload is anything: an answer before the next request's."""
     server, client = fuzzed
-    client.sio.eio.send('2["request",' + body + "]")  # Socket.IO EVENT, as python-socketio would frame it
+    client.send_packet('2["request",' + body + "]")  # a Socket.IO EVENT
     rid = f"after{next(COUNTER)}"
     client.send(ping(rid))
     events = _collect(client, lambda e: e.get("id") == rid and e["type"] == "pong")
@@ -269,9 +269,9 @@ def test_every_malformed_packet_is_answered(fuzzed, body):
 )
 def test_bad_binary_placeholders_and_huge_integers(fuzzed, packet, attachments):
     server, client = fuzzed
-    client.sio.eio.send(packet)
+    client.send_packet(packet)
     for attachment in attachments:
-        client.sio.eio.send(attachment)
+        client.send_packet(attachment)
     reply = client.next()
     assert reply["type"] == "error" and reply["code"] in ("bad_request", "unknown_type"), reply
     _still_answers(client, next(COUNTER))

@@ -32,6 +32,7 @@ from lightning_megatron.compat import megatron as compat_megatron
 from lightning_megatron.models import GPTModule
 from lightning_megatron.models.loading import prepare
 from lightning_megatron.scope import protocol
+from lightning_megatron.scope.client import ScopeClient
 from lightning_megatron.scope.engine import ScopeEngine
 from lightning_megatron.scope.server import TOKEN_ENV, ScopeServer
 
@@ -154,17 +155,28 @@ def held(module):
 
 # -- clients ------------------------------------------------------------------------------------------------
 class Client:
-    """A real Socket.IO client; every event it receives is checked against the schema."""
+    """A Socket.IO client over a real websocket, read by one thread in the order the server sent, as a browser
+    reads its socket; every event it receives is checked against the schema.
 
-    def __init__(self, server: ScopeServer, token: Optional[str] = None, on_event=None) -> None:
+    Not ``socketio.Client``: it hands each incoming message to a new thread, so a token and the probes sent
+    after it can reach the test in either order."""
+
+    def __init__(self, server: ScopeServer) -> None:
         self.events: queue.Queue = queue.Queue()
         self.invalid: list = []
         self.disconnected = threading.Event()
-        self.sio = socketio.Client(reconnection=False)
-        self.sio.on("event", on_event or self._record)
-        self.sio.on("disconnect", lambda *_: self.disconnected.set())
-        auth = {"token": server.token if token is None else token}
-        self.sio.connect(f"http://127.0.0.1:{server.port}", auth=auth, transports=["websocket"], wait_timeout=5)
+        self.scope = ScopeClient(f"http://127.0.0.1:{server.port}/?token={server.token}", timeout=5, decode=False)
+        self._reader = threading.Thread(target=self._read, name="test-client-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._record(self.scope.next_event(timeout=None))
+        except Exception:  # the connection closed: by us, or by the server
+            pass
+        finally:
+            self.disconnected.set()
 
     def _record(self, event: dict) -> None:
         try:
@@ -173,8 +185,19 @@ class Client:
             self.invalid.append((event.get("type"), error.field, error.message))
         self.events.put(event)
 
+    def emit(self, name: str, *args: Any) -> None:
+        """A Socket.IO event of any name and arguments (a well-behaved client sends one ``request``)."""
+        self.send_packet("2" + json.dumps([name, *args]))
+
+    def send_packet(self, packet: str | bytes) -> None:
+        """A Socket.IO packet as it is (text), or a binary attachment (bytes)."""
+        if isinstance(packet, bytes):
+            self.scope._ws.send_binary(packet)
+        else:
+            self.scope._ws.send("4" + packet)  # an Engine.IO message
+
     def send(self, message: Any) -> None:
-        self.sio.emit("request", message)
+        self.emit("request", message)
 
     def next(self, timeout: float = 10.0) -> dict:
         return self.events.get(timeout=timeout)
@@ -191,8 +214,18 @@ class Client:
         self.send(message)
         return self.next()
 
+    def disconnect(self) -> None:
+        """Leave as a browser tab does: a Socket.IO disconnect, then the socket closes."""
+        if not self.disconnected.is_set():
+            try:
+                self.scope._ws.send("41")
+            except Exception:
+                pass
+            self.scope._ws.shutdown()
+        self._reader.join(5)
+
     def close(self) -> None:
-        self.sio.disconnect()
+        self.disconnect()
         assert not self.invalid, self.invalid
 
 
@@ -413,9 +446,9 @@ def test_hostile_and_malformed_messages_get_errors_naming_the_field(client):
     reply = client.ask(generate("nan", ["x"], temperature=float("nan")))
     assert (reply["code"], reply["field"]) == ("invalid_field", "/temperature")
     # other Socket.IO events, and more than one argument
-    client.sio.emit("generate", {"prompts": ["x"]})
+    client.emit("generate", {"prompts": ["x"]})
     assert client.next()["code"] == "unknown_type"
-    client.sio.emit("request", (ping("a"), ping("b")))
+    client.emit("request", ping("a"), ping("b"))
     assert client.next()["code"] == "bad_request"
     # the engine's own refusal (a prompt as long as the model's 32 positions) is a bad_request
     client.send(generate("long", ["x" * SEQ], max_new_tokens=8))
@@ -653,7 +686,7 @@ def test_client_leaving_cancels_its_generation(held):
         leaving = Client(server)
         leaving.send(generate("g", ["ab"], max_new_tokens=29))
         assert leaving.next()["type"] == "start"
-        leaving.sio.disconnect()
+        leaving.disconnect()
         other = Client(server)
         deadline = time.monotonic() + 20
         while True:
