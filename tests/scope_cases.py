@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -399,7 +400,7 @@ def without_pattern(name: str) -> bool:
 def context_parallel_probes(world: int, model: dict[str, Any], **layout: Any) -> dict[str, Any]:
     """At a layout (context parallelism or one process): every capturable point but the attention pattern over a
     fixed batch, the loss under each of ``CP_PERTURBATIONS`` and without, what capturing ``hook_pattern`` in a
-    training forward says, and a greedy generation's captures (whole sequences on every rank, pattern included)."""
+    training forward says (alone, and matched with other points), and a greedy generation's captures (whole sequences on every rank, pattern included)."""
     from lightning_megatron.errors import MegatronConfigError
 
     trainer, module = build(world, model, **layout)
@@ -418,6 +419,12 @@ def context_parallel_probes(world: int, model: dict[str, Any], **layout: Any) ->
         out["refusal"] = "captured"
     except MegatronConfigError as err:
         out["refusal"] = str(err)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with capture(module, ["blocks.0.attn.*"]) as cache:
+            trainer.strategy.forward_backward(batch, forward_only=True)
+    out["attn"] = sorted(cache) if cache.is_server else None
+    out["dropped"] = [str(w.message) for w in caught if "not capturing" in str(w.message)]
     names = ["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern", "hook_logits"]
     with capture(module, names, whole_sequences=True) as cache:
         module.generate([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], 3, temperature=0, kv_cache=False)

@@ -1,7 +1,8 @@
 """MegaScope at context parallelism (real gloo ranks): each rank holds two load-balanced chunks of every sequence,
 yet captures assemble into the whole sequence and equal one process's, a perturbation defined on the whole sequence
-gives one process's loss, the attention pattern (which ring attention never holds) is refused by name, and
-generation (whole sequences on every rank) captures as at CP1."""
+gives one process's loss, the attention pattern (which ring attention never holds) is dropped with a warning from a
+broader request and refused by name when asked for alone, and generation (whole sequences on every rank) captures as
+at CP1."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def test_scope_at_context_parallelism_equals_one_process(ranks: Any, one_process
             assert abs(loss - reference) <= 1e-5 * abs(reference), f"rank {rank} {label}: {loss} vs {reference}"
         assert "'blocks.0.attn.hook_pattern'" in result["refusal"], result["refusal"]
         assert "context_parallel_size=2" in result["refusal"], result["refusal"]
+        # a broader request drops the pattern with a warning (serving rank) and captures the rest
+        assert len(result["dropped"]) == (rank == 0), result["dropped"]
+    assert "blocks.0.attn.hook_pattern" in results[0]["dropped"][0]
+    assert results[0]["attn"] == [n for n in one_process["attn"] if not n.endswith("hook_pattern")]
+    assert "blocks.0.attn.hook_pattern" in one_process["attn"] and not one_process["dropped"]
     assert one_process["refusal"] == "captured"
     generated, reference = results[0]["generated"], one_process["generated"]
     assert (

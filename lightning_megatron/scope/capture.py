@@ -19,8 +19,10 @@ Contract::
 * ``heads`` limits ``hook_pattern`` to those heads (under ``layer_spec="sdpa"`` only they are recomputed).
 * Context parallelism (CP > 1): each context-parallel rank records its share of the sequence (two load-balanced
   chunks); the serving rank assembles each share over TP and then the shares into the whole sequence, so a capture
-  equals CP1's. ``hook_pattern`` is refused there (``MegatronConfigError`` on ``attach``): under ring attention no
-  rank ever holds more than one block of the ``[q, k]`` matrix, and rebuilding it would gather every rank's keys.
+  equals CP1's. ``hook_pattern`` cannot be recorded there: under ring attention no rank ever holds more than one
+  block of the ``[q, k]`` matrix, and rebuilding it would gather every rank's keys. A request that matched other
+  points too drops the patterns with a warning; one for patterns alone is refused (``MegatronConfigError`` on
+  ``attach``).
   Forwards that run whole sequences on every context-parallel rank (generation, ``context.whole_sequences``; pass
   ``whole_sequences=True``, which also allows ``hook_pattern``) are recorded by context-parallel rank 0 alone.
 * Zero cost when off: hooks exist only inside the context.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -227,17 +230,25 @@ class Capture:
                 self._handles.append(point.module.register_forward_hook(hook, with_kwargs=True))
 
     def _check_context_parallel(self) -> None:
-        """Refuse, on every rank at the same call and before any hook, what cannot be assembled at CP > 1."""
+        """At CP > 1, drop the ``hook_pattern`` points a broader request matched (``"*"``, ``"blocks.0.attn.*"``)
+        with a warning, so a capture of "everything" works at any layout; refuse, on every rank at the same call
+        and before any hook, a request for nothing but patterns: it would record nothing."""
         if self.tap.facts.cp_size == 1 or self.whole_sequences:
             return
         refused = [p.name for p in self.points if p.name.endswith("hook_pattern")]
-        if refused:
+        if not refused:
+            return
+        why = f"under ring attention at context_parallel_size={self.tap.facts.cp_size} no rank holds the [q, k] matrix"
+        if len(refused) == len(self.points):
             raise MegatronConfigError(
-                f"capture: {refused[0]!r} (attention probabilities) cannot be captured at context_parallel_size="
-                f"{self.tap.facts.cp_size}: under ring attention no rank holds the [q, k] matrix. Leave the "
+                f"capture: {refused[0]!r} (attention probabilities) cannot be captured: {why}. Leave the "
                 "'attn.hook_pattern' points out of the names (e.g. capture 'attn.hook_q' and 'attn.hook_k' and "
                 "compute it), or probe the checkpoint at context_parallel_size=1."
             )
+        self.points = [p for p in self.points if not p.name.endswith("hook_pattern")]
+        if collect.rank() == self.serving_rank:
+            shown = ", ".join(refused[:3]) + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
+            warnings.warn(f"capture: not capturing {shown} (attention probabilities): {why}.", stacklevel=3)
 
     def detach(self) -> None:
         for handle in self._handles:
