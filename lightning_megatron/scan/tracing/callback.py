@@ -17,11 +17,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.profilers import PyTorchProfiler
-from megatron.core import parallel_state
-from megatron.core.utils import get_model_config
 from typing_extensions import override
 
 from lightning_megatron.errors import MegatronConfigError
@@ -33,11 +30,11 @@ from lightning_megatron.scan.tracing.collectives import CollectiveTracer
 from lightning_megatron.scan.tracing.layers import Granularity, LayerTracer, choose_granularity
 from lightning_megatron.scan.tracing.moe import MoETracer
 from lightning_megatron.scan.tracing.online import OnlineDetection, write_report
+from lightning_megatron.scan.tracing.p2p import P2PMessages
 from lightning_megatron.scan.tracing.profile import PROFILE_OPTIONS, StepProfiler
 from lightning_megatron.scan.tracing.recorder import Span, SpanRecorder
 from lightning_megatron.scan.tracing.sched import RunDelay
 from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
-from lightning_megatron.strategy.microbatch import infer_seq_length
 
 __all__ = ["MegaScan", "REPORT_FILE", "choose_granularity"]
 
@@ -187,7 +184,7 @@ class MegaScan(pl.Callback, StepListener):
         """Whether steps replayed as CUDA graphs are traced as replays (set in ``setup`` from ``trace_replays``).
         Replayed traces are checked against eager ones in ``tests/test_scan_graphs_gpu.py`` (one GPU, TP2 and
         DP2)."""
-        self._p2p_seq: dict[tuple[int, str, str], int] = {}
+        self._p2p = P2PMessages()  # the identity of the pipeline messages of the traced step
         self._step_span: Optional[Span] = None
         self._run_delay = RunDelay()  # the training thread's waits for a CPU (``scan.tracing.sched``)
         self._delay_at: dict[str, Optional[float]] = {"batch_end": None, "batch_start": None}
@@ -370,8 +367,7 @@ class MegaScan(pl.Callback, StepListener):
             if self._layers is not None and not self._layers_always:
                 self._layers.attach(self._strategy.wrapped_chunks)
         self._context["step"] = step
-        self._context["p2p_bytes"] = self._p2p_bytes(batch)
-        self._p2p_seq = {}
+        self._p2p.begin_step(self._strategy, batch)
         delay = self._delay_at["batch_start"] = self._run_delay.read()
         if self._last_batch_end is not None:  # the host's time between steps: Lightning's bookkeeping and the fetch
             gap_args = {"step": step, **_cpu_wait(self._delay_at["batch_end"], delay)}
@@ -398,18 +394,6 @@ class MegaScan(pl.Callback, StepListener):
         if self._windows % self.gpu_busy_every:
             return False
         return not any(s in self.profile_steps for s in range(step, step + self.window))
-
-    def _p2p_bytes(self, batch: Any) -> Optional[int]:
-        """Bytes of one activation between pipeline stages: [seq (/ TP with SP), micro-batch, hidden]."""
-        config = get_model_config(self._strategy.wrapped_chunks[0])
-        try:
-            seq = infer_seq_length(batch)
-        except (TypeError, ValueError):
-            return None
-        if config.sequence_parallel:
-            seq //= config.tensor_model_parallel_size
-        dtype = config.pipeline_dtype or torch.float32
-        return seq * self._strategy.micro_batch_size * config.hidden_size * torch.finfo(dtype).bits // 8
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -466,7 +450,7 @@ class MegaScan(pl.Callback, StepListener):
         if name in _COMPUTE:
             span = recorder.open(_COMPUTE[name], "compute", TID["compute"], {"step": step})
         elif name in P2P_TIMERS:
-            span = recorder.open(name, "p2p", TID["communication"], self._p2p_args(name, step))
+            span = recorder.open(name, "p2p", TID["communication"], self._p2p.args(name, step))
         elif name == "all-grads-sync":
             span = recorder.open("grad-sync", "grad_sync", TID["host"], {"step": step})
         elif name == "optimizer-step":  # the update alone: a user's hooks around it are the step's host time
@@ -531,28 +515,8 @@ class MegaScan(pl.Callback, StepListener):
 
     def p2p_messages(self, name: str, sends: list[dict[str, Any]], recvs: list[dict[str, Any]]) -> None:
         stack = self._open.get(name)
-        if stack:  # the schedule knows the messages' identity: it replaces the FIFO guess of _p2p_args
+        if stack:  # the schedule knows the messages' identity: it replaces the FIFO guess of P2PMessages
             stack[-1].args.update(sends=sends, recvs=recvs)
-
-    def _p2p_args(self, name: str, step: int) -> dict[str, Any]:
-        neighbours = {
-            "next": parallel_state.get_pipeline_model_parallel_next_rank(),
-            "prev": parallel_state.get_pipeline_model_parallel_prev_rank(),
-        }
-        size = self._context.get("p2p_bytes")
-        sends, recvs = P2P_TIMERS[name]
-
-        def messages(kind: str, ends: list[tuple[str, str]]) -> list[dict[str, Any]]:
-            out = []
-            for neighbour, direction in ends:
-                peer = neighbours[neighbour]
-                key = (peer, kind, direction)
-                seq = self._p2p_seq.get(key, 0)
-                self._p2p_seq[key] = seq + 1
-                out.append({"peer": peer, "bytes": size, "seq": seq, "direction": direction})
-            return out
-
-        return {"step": step, "sends": messages("send", sends), "recvs": messages("recv", recvs)}
 
     # -- the end -----------------------------------------------------------------------------------
     @override
