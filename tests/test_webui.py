@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -314,22 +315,21 @@ def generate(page: Any, prompts: list[str], tokens: int, timeout: float = 60_000
 
 
 # -- a real `scope serve` on a 2-step checkpoint ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``lightning-megatron scope serve`` (a subprocess) on 127.0.0.1; yields the URL it printed."""
-    checkpoint = os.environ.get("LM_WEBUI_CHECKPOINT")
-    args: list[str]
-    if checkpoint:
-        args = [checkpoint]
-    else:
-        out = tmp_path_factory.mktemp("webui-model")
-        prepare = Background([str(ROOT / "tests" / "webui_cases.py"), "prepare", str(out)])
-        try:
-            code = prepare.join(timeout=300)
-        finally:
-            prepare.stop()
-        assert code == 0, prepare.output()
-        args = [str(out / "ckpt" / "last.ckpt"), "--tokenizer", str(out / "tokenizer.json")]
+def prepared_checkpoint(out: Path, *flags: str) -> list[str]:
+    """Train ``webui_cases.py prepare`` 's tiny model for 2 steps into ``out`` (``--moe``: its mixture of
+    experts); the ``scope serve`` arguments of the checkpoint it saved."""
+    prepare = Background([str(ROOT / "tests" / "webui_cases.py"), "prepare", str(out), *flags])
+    try:
+        code = prepare.join(timeout=300)
+    finally:
+        prepare.stop()
+    assert code == 0, prepare.output()
+    return [str(out / "ckpt" / "last.ckpt"), "--tokenizer", str(out / "tokenizer.json")]
+
+
+@contextmanager
+def scope_serve(args: list[str]) -> Iterator[str]:
+    """``lightning-megatron scope serve ARGS`` (a subprocess) on 127.0.0.1; yields the URL it printed."""
     server = Background(
         ["-m", "lightning_megatron.cli", "scope", "serve", *args, "--port", "0"], env={"LM_SCOPE_TOKEN": TOKEN}
     )
@@ -339,6 +339,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         server.proc.terminate()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The page's server on ``LM_WEBUI_CHECKPOINT``, or on a checkpoint prepared here."""
+    checkpoint = os.environ.get("LM_WEBUI_CHECKPOINT")
+    args = [checkpoint] if checkpoint else prepared_checkpoint(tmp_path_factory.mktemp("webui-model"))
+    with scope_serve(args) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

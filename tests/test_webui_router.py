@@ -10,31 +10,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_webui import ROOT, TOKEN, Page, generate, save_shot
+from test_webui import Page, generate, prepared_checkpoint, save_shot, scope_serve
 from test_webui import browser as browser_fixture  # noqa: F401  (a fixture)
 from test_webui import shots as shots_fixture  # noqa: F401  (a fixture)
-from webui_cases import Background
 
 
 @pytest.fixture(scope="module")
 def served_moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    out = tmp_path_factory.mktemp("webui-moe-model")
-    prepare = Background([str(ROOT / "tests" / "webui_cases.py"), "prepare", str(out), "--moe"])
-    try:
-        code = prepare.join(timeout=300)
-    finally:
-        prepare.stop()
-    assert code == 0, prepare.output()
-    args = [str(out / "ckpt" / "last.ckpt"), "--tokenizer", str(out / "tokenizer.json")]
-    server = Background(
-        ["-m", "lightning_megatron.cli", "scope", "serve", *args, "--port", "0"], env={"LM_SCOPE_TOKEN": TOKEN}
-    )
-    try:
-        match = server.wait_for(r"(http://127\.0\.0\.1:\d+/\?token=\S+)", timeout=300)
-        yield match.group(1)
-    finally:
-        server.proc.terminate()
-        server.stop()
+    with scope_serve(prepared_checkpoint(tmp_path_factory.mktemp("webui-moe-model"), "--moe")) as url:
+        yield url
 
 
 def load_table(page: Any) -> dict[int, list[int]]:
