@@ -16,6 +16,7 @@ import pytest
 from cases import fit_gpt
 
 from lightning_megatron import MegatronAppStrategy
+from lightning_megatron.convert.hf import gpt_kwargs_to_hf_config
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.models import GPTModule
 from lightning_megatron.strategy.graphs import declares_graph_safe_step
@@ -74,13 +75,15 @@ def test_load_balancing_loss_is_logged_and_near_its_floor(one_process: dict[str,
 STEPS, SAVE_EVERY = 6, 3
 
 
-def fit_saving(world_size: int, ckpt_dir: str, resume: Optional[str] = None, **strategy: Any) -> dict[str, Any]:
+def fit_saving(
+    world_size: int, ckpt_dir: str, resume: Optional[str] = None, model: Optional[dict] = None, **strategy: Any
+) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_EVERY, save_top_k=-1)
     trainer = {"enable_checkpointing": True, "limit_val_batches": 0}
     return fit_gpt(
-        world_size, steps=STEPS, model=MODEL, trainer=trainer, callbacks=[saver], ckpt_path=resume, **strategy
+        world_size, steps=STEPS, model=model or MODEL, trainer=trainer, callbacks=[saver], ckpt_path=resume, **strategy
     )
 
 
@@ -107,6 +110,29 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
             assert _close(a, b, 1e-3), f"rank {rank}: step {step} loss {a} != uninterrupted {b}"
 
 
+# DeepSeek-/Qwen-MoE style: a shared expert every token goes through, scaled by a sigmoid gate (Qwen)
+SHARED = {**MODEL, "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
+
+
+def test_shared_experts_follow_one_process_and_reshard(ranks: Any, one_process: dict[str, Any], tmp_path: Path) -> None:
+    """The shared experts are a dense MLP beside the routed ones (split over TP, whole on every EP rank): losses
+    at EP2 and EP2 × TP2 + SP equal one process's, and a checkpoint saved at EP2 resumes at EP1."""
+    want = ranks.run(1, fit_gpt, 1, steps=3, model=SHARED, trainer=TRAINER)[0]
+    assert not _close(want["loss"][-1], one_process["loss"][-1], 1e-4), "the shared experts must change the model"
+    layouts = [(2, dict(expert_model_parallel_size=2))]
+    layouts += [(4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True))]
+    for world, strategy in layouts:
+        results = ranks.run(world, fit_gpt, world, steps=3, model=SHARED, trainer=TRAINER, **strategy)
+        for rank, got in enumerate(results):
+            for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
+                assert _close(a, b, 1e-3), f"{strategy} rank {rank}: step {step} loss {a} vs {b}"
+    full = ranks.run(2, fit_saving, 2, str(tmp_path / "saved"), model=SHARED, expert_model_parallel_size=2)[0]
+    resume = str(tmp_path / "saved" / f"epoch=0-step={SAVE_EVERY}.ckpt")
+    got = ranks.run(1, fit_saving, 1, str(tmp_path / "resumed"), resume, model=SHARED)[0]
+    for step, (a, b) in enumerate(zip(got["loss"], full["loss"][SAVE_EVERY:], strict=True), start=SAVE_EVERY + 1):
+        assert _close(a, b, 1e-3), f"step {step} loss {a} != uninterrupted {b}"
+
+
 def test_moe_settings_are_checked() -> None:
     with pytest.raises(MegatronConfigError, match="moe_router_topk=5"):
         GPTModule(num_moe_experts=4, moe_router_topk=5)
@@ -118,6 +144,15 @@ def test_moe_settings_are_checked() -> None:
         GPTModule(num_moe_experts=4, add_bias_linear=True)
     with pytest.raises(MegatronConfigError, match="moe_token_dispatcher_type"):
         GPTModule(num_moe_experts=4, moe_token_dispatcher_type="flex")
+    with pytest.raises(MegatronConfigError, match="moe_shared_expert_intermediate_size=0"):
+        GPTModule(num_moe_experts=4, moe_shared_expert_intermediate_size=0, add_bias_linear=False)
+    with pytest.raises(MegatronConfigError, match="moe_shared_expert_gate=True gates"):
+        GPTModule(num_moe_experts=4, moe_shared_expert_gate=True, add_bias_linear=False)
+    with pytest.raises(MegatronConfigError, match="need an MoE model: set num_moe_experts"):
+        GPTModule(moe_shared_expert_intermediate_size=64)
+    # Mixtral has no shared experts: such a model is not exported as one
+    with pytest.raises(NotImplementedError, match="no shared experts"):
+        gpt_kwargs_to_hf_config(dict(GPTModule(**{**SHARED, "layer_spec": "local"}).hparams))
     with pytest.raises(MegatronConfigError, match="GPTModule\\(num_moe_experts=...\\)"):
         GPTModule(transformer_config_overrides={"num_moe_experts": 4})
     with pytest.raises(MegatronConfigError, match="expert_model_parallel_size"):

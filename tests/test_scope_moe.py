@@ -69,6 +69,25 @@ def test_router_captures_equal_one_process_at_every_layout(ranks: Any, reference
             torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_shared_experts_keep_the_points_and_equal_one_process_at_ep2_tp2(ranks: Any, reference: Any) -> None:
+    """With a gated shared expert beside the routed ones the MoE layers have the same points (``hook_mlp_out`` is
+    routed plus shared), and captures at EP2 × TP2 + SP and at PP2 equal one process's."""
+    model = dict(MOE_STYLE, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
+    want = ranks.run(1, router_captures, 1, model)[0]
+    assert sorted(want) == sorted(reference["train"])
+    assert not torch.allclose(want["blocks.0.hook_mlp_out"], reference["train"]["blocks.0.hook_mlp_out"])
+    # (the gate is drawn split-invariantly: megatron-core draws it from a generator whose state depends on the layout)
+    for world, layout in [
+        (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+        (2, dict(pipeline_model_parallel_size=2)),
+    ]:
+        got = ranks.run(world, router_captures, world, model, **layout)[0]
+        for name, tensor in want.items():
+            torch.testing.assert_close(
+                got[name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name, at=layout: f"{at} {n}: {m}"
+            )
+
+
 EXPERT = "model_chunks.0.decoder.layers.{layer}.mlp.experts.local_experts.{local}.linear_fc1.weight"
 
 

@@ -146,12 +146,12 @@ def _model_type(hp: dict[str, Any]) -> str:
         if hp["activation"] == "swiglu" and not hp["add_bias_linear"]:
             if experts is None:
                 return "llama"
-            if hp.get("moe_layer_freq", 1) == 1:
+            if hp.get("moe_layer_freq", 1) == 1 and hp.get("moe_shared_expert_intermediate_size") is None:
                 return "mixtral"
     raise NotImplementedError(
         "Only GPT-2 style (learned positions, LayerNorm, gelu, biases), Llama style (RoPE, RMSNorm, swiglu, no "
-        "biases) and Mixtral style (Llama with an MoE layer in every layer) GPTModules can be exported to Hugging "
-        "Face."
+        "biases) and Mixtral style (Llama with an MoE layer in every layer, no shared experts) GPTModules can be "
+        "exported to Hugging Face."
     )
 
 

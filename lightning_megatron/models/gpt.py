@@ -168,6 +168,10 @@ class GPTModule(MegatronLightningModule):
             the default). The same parameters and checkpoints. Off by default until measured on GPUs. MoE layers
             need ``add_bias_linear=False`` (a megatron-core 0.16.1 bug with expert biases) and, when training at
             TP > 1, ``sequence_parallel=True``.
+        moe_shared_expert_intermediate_size: Hidden width of the shared experts, an MLP every token goes through
+            beside its routed experts (DeepSeek-MoE, Qwen-MoE; all shared experts together: 2 of width 1408 are
+            2816). Not split over expert-parallel ranks: it is a dense MLP (split over TP). ``None``: none.
+        moe_shared_expert_gate: Scale the shared experts' output by a learned sigmoid gate per token (Qwen-MoE).
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
             ``{"recompute_modules": ["core_attn", "mlp"]}``), applied last; unknown names are an error, and so
             are the three recompute fields above (pass them as arguments).
@@ -217,6 +221,8 @@ class GPTModule(MegatronLightningModule):
         moe_token_dispatcher_type: MoETokenDispatcher = "alltoall",
         moe_layer_freq: Union[int, list[int]] = 1,
         moe_grouped_gemm: bool = False,
+        moe_shared_expert_intermediate_size: Optional[int] = None,
+        moe_shared_expert_gate: bool = False,
         transformer_config_overrides: Optional[dict[str, Any]] = None,
         split_invariant_init: bool = True,
         init_seed: int = 1234,
@@ -247,6 +253,8 @@ class GPTModule(MegatronLightningModule):
             moe_layer_freq=moe_layer_freq,
             moe_grouped_gemm=moe_grouped_gemm,
             add_bias_linear=add_bias_linear,
+            moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=moe_shared_expert_gate,
             num_layers=num_layers,
             ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
             overrides=transformer_config_overrides,

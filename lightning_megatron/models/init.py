@@ -25,6 +25,9 @@ from lightning_megatron.models.sharding import sharded_tensors
 __all__ = ["init_split_invariant_"]
 
 _SCALED_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
+# Random weight matrices: linears', embeddings' and routers' ``weight``, and the MoE shared experts' gate (a [1,
+# hidden] matrix megatron-core draws from the default generator, whose position depends on the layout).
+_RANDOM = (".weight", ".gate_weight")
 
 
 def _generator(seed: int, key: str, layer: tuple[int, ...], device: torch.device) -> torch.Generator:
@@ -41,7 +44,7 @@ def init_split_invariant_(chunks: Sequence[torch.nn.Module], *, seed: int, std: 
     for chunk in chunks:
         for sharded in sharded_tensors(chunk.sharded_state_dict()):
             data = sharded.data
-            if not sharded.key.endswith(".weight") or data.dim() < 2 or sharded.flattened_range is not None:
+            if not sharded.key.endswith(_RANDOM) or data.dim() < 2 or sharded.flattened_range is not None:
                 continue  # biases and norm weights: deterministic already
             prepend = sharded.prepend_axis_num
             layer = tuple(sharded.global_offset[:prepend])

@@ -66,6 +66,8 @@ def check_moe(
     moe_layer_freq: Union[int, list[int]],
     moe_grouped_gemm: bool,
     add_bias_linear: bool,
+    moe_shared_expert_intermediate_size: Optional[int] = None,
+    moe_shared_expert_gate: bool = False,
     num_layers: int,
     ffn_hidden_size: int,
     overrides: Optional[dict[str, Any]],
@@ -76,6 +78,7 @@ def check_moe(
     naming the parameter. Needs only the module's arguments: ``GPTModule.__init__`` runs it before any process."""
     named = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff")
     named += ("moe_token_dispatcher_type", "moe_layer_freq", "moe_grouped_gemm")
+    named += ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
     clash = sorted(set(overrides or {}) & set(named))
     if clash:
         raise MegatronConfigError(
@@ -83,6 +86,10 @@ def check_moe(
             f"GPTModule({', '.join(f'{name}=...' for name in clash)}) instead."
         )
     if num_moe_experts is None:
+        if moe_shared_expert_intermediate_size is not None or moe_shared_expert_gate:
+            raise MegatronConfigError(
+                "moe_shared_expert_intermediate_size / moe_shared_expert_gate need an MoE model: set num_moe_experts."
+            )
         return {}
     if isinstance(num_moe_experts, bool) or not isinstance(num_moe_experts, int) or num_moe_experts < 2:
         raise MegatronConfigError(
@@ -104,6 +111,19 @@ def check_moe(
     moe_layer_pattern(num_layers, moe_layer_freq)
     if moe_grouped_gemm not in (True, False):
         raise MegatronConfigError(f"moe_grouped_gemm={moe_grouped_gemm!r}: true or false.")
+    shared = moe_shared_expert_intermediate_size
+    if shared is not None and (isinstance(shared, bool) or not isinstance(shared, int) or shared < 1):
+        raise MegatronConfigError(
+            f"moe_shared_expert_intermediate_size={shared!r}: the hidden width of the shared experts (all of them "
+            "together, e.g. 2 shared experts of width 1408 -> 2816), or None for none."
+        )
+    if moe_shared_expert_gate not in (True, False):
+        raise MegatronConfigError(f"moe_shared_expert_gate={moe_shared_expert_gate!r}: true or false.")
+    if moe_shared_expert_gate and shared is None:
+        raise MegatronConfigError(
+            "moe_shared_expert_gate=True gates the shared experts' output; it needs "
+            "moe_shared_expert_intermediate_size (their width)."
+        )
     if add_bias_linear:
         raise MegatronConfigError(
             "num_moe_experts with add_bias_linear=True: megatron-core 0.16.1's experts add their output bias in "
@@ -117,6 +137,8 @@ def check_moe(
         "moe_aux_loss_coeff": moe_aux_loss_coeff,
         "moe_token_dispatcher_type": moe_token_dispatcher_type,
         "moe_layer_freq": moe_layer_freq,
+        "moe_shared_expert_intermediate_size": shared,
+        "moe_shared_expert_gate": moe_shared_expert_gate,
     }
 
 
