@@ -109,8 +109,9 @@ def _scan() -> CommandParser:
 # -- scope --------------------------------------------------------------------------------------------------------
 
 _SCOPE_SITES = ("system", "calculation", "storage")
-# scope.perturb.SWEEP_KINDS (a test keeps them equal)
-_SCOPE_KINDS = ("gaussian", "uniform", "bitflip", "zero", "stuck")
+# scope.perturb.KINDS and scope.sweep.ROUTER_SITE (a test keeps them equal)
+_SCOPE_KINDS = ("gaussian", "uniform", "bitflip", "zero", "stuck", "disable")
+_ROUTER_SITE = "moe.hook_router_logits"
 
 
 def _layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +130,9 @@ def _layout_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sequence-parallel", action="store_true", help="split activations over the TP ranks")
     parser.add_argument(
+        "--expert-model-parallel-size", type=int, default=1, help="expert-parallel ranks (mixture-of-experts models)"
+    )
+    parser.add_argument(
         "--layer-spec",
         choices=["local", "sdpa"],
         help="attention implementation (default: the run's; checkpoints load with either)",
@@ -142,7 +146,8 @@ def _scope() -> CommandParser:
         "validation loss under a grid of seeded perturbations.\n\n"
         "  lightning-megatron scope serve runs/gpt-tiny-cpu/checkpoints/last.ckpt\n"
         "  lightning-megatron scope sweep runs/gpt-tiny-cpu/checkpoints/last.ckpt --layers 0 1 \\\n"
-        "      --kinds gaussian bitflip --strengths 1e-3 1e-2 -o runs/sweep",
+        "      --kinds gaussian bitflip --strengths 1e-3 1e-2 -o runs/sweep\n"
+        "  lightning-megatron scope sweep runs/moe/checkpoints/last.ckpt --experts all --kinds disable",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,sweep}")
     serve = commands.add_parser(
@@ -161,19 +166,35 @@ def _scope() -> CommandParser:
         help="validation-loss change under a seeded perturbation grid",
         description="Measure the validation loss (and optionally the gradient norm) of a checkpoint's model under\n"
         "each cell of a grid of seeded perturbations: layers x sites x kinds x strengths. Writes a table,\n"
-        "a CSV and a heat map.",
+        "a CSV and a heat map. With --experts (mixture-of-experts models) the cells are per expert of the\n"
+        f"router's logits ({_ROUTER_SITE}): --kinds disable turns one expert of one layer off per cell\n"
+        "(no strength), noise kinds perturb that expert's logit alone at each strength.",
     )
     _layout_arguments(sweep)
-    sweep.add_argument("--layers", type=int, nargs="+", help="layers to perturb (default: every layer)")
+    sweep.add_argument(
+        "--layers", type=int, nargs="+", help="layers to perturb (default: every layer; with --experts every MoE layer)"
+    )
     sweep.add_argument(
         "--sites",
         nargs="+",
-        default=list(_SCOPE_SITES),
         metavar="SITE",
-        help=f"site groups ({', '.join(_SCOPE_SITES)}) or per-layer sites such as hook_resid_post",
+        help=f"site groups ({', '.join(_SCOPE_SITES)}) or per-layer sites such as hook_resid_post "
+        f"(default: {' '.join(_SCOPE_SITES)}; with --experts {_ROUTER_SITE}, the only site that takes experts)",
     )
     sweep.add_argument(
-        "--kinds", nargs="+", default=["gaussian"], choices=_SCOPE_KINDS, metavar="KIND", help="perturbation kinds"
+        "--kinds",
+        nargs="+",
+        default=["gaussian"],
+        choices=_SCOPE_KINDS,
+        metavar="KIND",
+        help=f"perturbation kinds ({', '.join(_SCOPE_KINDS)}; disable needs --experts)",
+    )
+    sweep.add_argument(
+        "--experts",
+        nargs="+",
+        metavar="EXPERT",
+        help="mixture-of-experts models: a cell per expert of the router's logits, expert indices (0 1 2 3) "
+        "or all (default: cells are not per expert)",
     )
     sweep.add_argument("--strengths", type=float, nargs="+", default=[1e-2, 1e-1], help="perturbation strengths")
     sweep.add_argument("--seed", type=int, default=0, help="seed of every perturbation")
@@ -188,6 +209,33 @@ def _check_scope(parser: CommandParser, args: argparse.Namespace) -> None:
     if (args.checkpoint is None) == (args.hf is None):
         sub = parser._chosen_subparser()
         sub.error("give either a checkpoint directory or --hf DIR")
+    if args.command == "sweep":
+        _check_sweep(parser, args)
+
+
+def _check_sweep(parser: CommandParser, args: argparse.Namespace) -> None:
+    """``--experts`` into ``"all"`` or indices, the sites it implies, and the combinations the sweep would
+    refuse only after loading the model (seconds to minutes), refused here at once."""
+    experts = args.experts
+    if experts is not None:
+        if experts == ["all"]:
+            args.experts = "all"
+        elif all(e.isdigit() for e in experts):
+            args.experts = [int(e) for e in experts]
+        else:
+            parser._chosen_subparser().error(
+                f"--experts takes expert indices (0 1 2 3) or all, not {' '.join(experts)}"
+            )
+    if args.sites is None:
+        args.sites = [_ROUTER_SITE] if experts is not None else list(_SCOPE_SITES)
+    elif experts is not None and any(site != _ROUTER_SITE for site in args.sites):
+        others = [site for site in args.sites if site != _ROUTER_SITE]
+        parser._chosen_subparser().error(
+            f"--experts perturbs the router's logits ({_ROUTER_SITE}); sites {' '.join(others)} have no experts: "
+            f"drop --sites or give --sites {_ROUTER_SITE}"
+        )
+    if "disable" in args.kinds and experts is None:
+        parser._chosen_subparser().error("--kinds disable needs --experts (indices such as 0 1, or all)")
 
 
 # -- dpp ----------------------------------------------------------------------------------------------------------

@@ -121,3 +121,59 @@ def router_request_errors(world: int) -> list[str]:
         except ProtocolError as err:
             out.append(f"{err.field}: {err.message}")
     return out
+
+
+def _validation_batches() -> Any:
+    """Two fixed batches of the tiny model's tokens, the same at every layout (the sweep's validation data)."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader([batch_of(tokens(seed)) for seed in (5, 6)], batch_size=None)
+
+
+def expert_sweep(world: int, model: dict[str, Any], grid: dict[str, Any], by_hand: list[dict], **layout: Any) -> dict:
+    """``run_sweep`` over a per-expert grid at a layout, and the validation loss under each of ``by_hand``'s
+    perturbations entered with ``perturb`` directly (the cell a sweep row must equal)."""
+    from lightning_megatron.scope.sweep import SweepGrid, run_sweep
+
+    trainer, module = build(world, model, **layout)
+    data = _validation_batches()
+    clean, rows = run_sweep(trainer, module, data, SweepGrid(**grid), progress=False)
+    hand = []
+    for spec in by_hand:
+        with perturb(module, perturbations=[Perturbation(**spec)]):
+            hand.append(float(trainer.validate(module, data, verbose=False)[0]["val_loss"]))
+    return {"clean": clean, "rows": rows, "by_hand": hand}
+
+
+class _NeverIterated:
+    """Validation data that fails the case if anything reads it: a refusal must come before any validation."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("the sweep validated before refusing its grid")
+
+
+def expert_sweep_refusals(world: int, dense: bool, **layout: Any) -> list[str]:
+    """What ``run_sweep`` answers (on this rank) to per-expert grids the model cannot run (``dense``: also on a
+    dense model)."""
+    from lightning_megatron.errors import MegatronConfigError
+    from lightning_megatron.scope.sweep import SweepGrid, run_sweep
+
+    router = ["moe.hook_router_logits"]
+    cases = [
+        (MOE_STYLE, dict(layers=[0], sites=router, kinds=["disable"], experts=[1, 4])),
+        (MOE_STYLE, dict(layers=[0, 1], sites=router, kinds=["disable"], experts="all")),
+        *([(LLAMA_STYLE, dict(layers=[0], sites=router, kinds=["gaussian"], experts=[0]))] if dense else []),
+    ]
+    out = []
+    built: dict[int, Any] = {}
+    for model, grid in cases:
+        if id(model) not in built:
+            built[id(model)] = build(world, model, **layout)
+        trainer, module = built[id(model)]
+        try:
+            run_sweep(trainer, module, _NeverIterated(), SweepGrid(**grid), progress=False)
+        except MegatronConfigError as error:
+            out.append(str(error))
+        else:
+            out.append("no error")
+    return out

@@ -234,12 +234,35 @@ def test_the_light_parsers_offer_the_library_s_choices() -> None:
     """The parsers repeat a few constants so as not to import torch; they must stay equal to the library's."""
     from lightning_megatron import cli_commands
     from lightning_megatron.pipeline.dpp.scenario import DELAY_KINDS
-    from lightning_megatron.scope.perturb import SWEEP_KINDS
+    from lightning_megatron.scope.perturb import KINDS
     from lightning_megatron.scope.sites import SITE_GROUPS
+    from lightning_megatron.scope.sweep import ROUTER_SITE
 
     assert cli_commands._DELAY_KINDS == DELAY_KINDS
-    assert cli_commands._SCOPE_KINDS == SWEEP_KINDS
+    assert cli_commands._SCOPE_KINDS == KINDS
     assert set(cli_commands._SCOPE_SITES) == set(SITE_GROUPS)
+    assert cli_commands._ROUTER_SITE == ROUTER_SITE
+
+
+@pytest.mark.parametrize(
+    "words,experts,sites",
+    [
+        ([], None, ["system", "calculation", "storage"]),
+        (["--experts", "all", "--kinds", "disable"], "all", ["moe.hook_router_logits"]),
+        (["--experts", "0", "1", "3"], [0, 1, 3], ["moe.hook_router_logits"]),
+        (["--experts", "2", "--sites", "moe.hook_router_logits"], [2], ["moe.hook_router_logits"]),
+        (["--sites", "hook_resid_post"], None, ["hook_resid_post"]),
+    ],
+    ids=["dense", "all", "indices", "router-site", "site"],
+)
+def test_scope_sweep_parses_experts(words: list[str], experts: object, sites: list[str]) -> None:
+    """``--experts all`` or indices reach the sweep as ``"all"`` or ints; with them the sites default to the
+    router's logits (the only site that takes experts)."""
+    from lightning_megatron.cli_commands import parse
+
+    args = parse("scope", ["sweep", "last.ckpt", *words])
+    assert (args.experts, args.sites) == (experts, sites)
+    assert args.expert_model_parallel_size == 1
 
 
 HEAVY = ("torch", "lightning", "megatron", "numpy")

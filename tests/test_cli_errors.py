@@ -156,6 +156,24 @@ def test_scan_reports_a_missing_trace_directory_in_one_line(files: Path, command
             id="scope-sweep-choice",
         ),
         pytest.param(
+            ["scope", "sweep", "last.ckpt", "--kinds", "disable"],
+            "lightning-megatron scope sweep",
+            ["--kinds disable needs --experts"],
+            id="scope-sweep-disable",
+        ),
+        pytest.param(
+            ["scope", "sweep", "last.ckpt", "--experts", "all", "--sites", "system"],
+            "lightning-megatron scope sweep",
+            ["sites system have no experts", "--sites moe.hook_router_logits"],
+            id="scope-sweep-expert-sites",
+        ),
+        pytest.param(
+            ["scope", "sweep", "last.ckpt", "--experts", "0", "all"],
+            "lightning-megatron scope sweep",
+            ["--experts takes expert indices (0 1 2 3) or all, not 0 all"],
+            id="scope-sweep-experts",
+        ),
+        pytest.param(
             ["scope", "serve"], "lightning-megatron scope serve", ["give either a checkpoint", "--hf"], id="scope-none"
         ),
         pytest.param(

@@ -4,6 +4,8 @@
     lightning-megatron scope serve --hf ./gpt2 --devices 2 --tensor-model-parallel-size 2
     lightning-megatron scope sweep runs/gpt-tiny-cpu/checkpoints/last.ckpt --layers 0 1 2 3 \\
         --sites system calculation storage --kinds gaussian bitflip --strengths 1e-3 1e-2 1e-1 -o runs/sweep
+    lightning-megatron scope sweep runs/moe/checkpoints/last.ckpt --experts all --kinds disable gaussian \\
+        --strengths 1.0 --devices 2 --expert-model-parallel-size 2 -o runs/expert-sweep
 
 ``serve`` prints a URL with a token, new at each start and good for as long as the server runs, in any tab
 or browser that opens it (set ``LM_SCOPE_TOKEN`` to choose it; never a command-line argument, which other users
@@ -31,6 +33,7 @@ def _load(args: argparse.Namespace, micro_batch_size: int = 1) -> Any:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )
     overrides = {"layer_spec": args.layer_spec} if args.layer_spec else None
     return load_model(
@@ -85,16 +88,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from lightning_megatron.scope.sites import chunks_of, moe_layers_of
     from lightning_megatron.scope.sweep import SweepGrid, run_sweep, write_results
 
     loaded = _load(args, micro_batch_size=args.micro_batch_size)
     data = _validation_data(loaded, args)
+    # with --experts only the MoE layers have a router to sweep (moe_layer_freq may leave some layers dense)
+    every = moe_layers_of(chunks_of(loaded.module)[0].config) if args.experts is not None else None
     grid = SweepGrid(
-        layers=args.layers or list(range(loaded.module.hparams.num_layers)),
+        layers=args.layers or every or list(range(loaded.module.hparams.num_layers)),
         sites=args.sites,
         kinds=args.kinds,
         strengths=args.strengths,
         seed=args.seed,
+        experts=args.experts,
     )
     clean, rows = run_sweep(loaded.trainer, loaded.module, data, grid, grad_norm=args.grad_norm)
     if loaded.trainer.is_global_zero:

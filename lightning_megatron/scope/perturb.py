@@ -46,12 +46,10 @@ from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope.sites import ProbePoint, chunks_of, match_points, probe_points
 from lightning_megatron.scope.tap import Tap, strategy_of
 
-__all__ = ["KINDS", "SWEEP_KINDS", "Perturbation", "Perturber", "noise_draws", "out_of_range", "perturb", "requested"]
+__all__ = ["KINDS", "Perturbation", "Perturber", "noise_draws", "out_of_range", "perturb", "requested"]
 
 Kind = Literal["gaussian", "uniform", "bitflip", "zero", "stuck", "disable"]
 KINDS: tuple[str, ...] = ("gaussian", "uniform", "bitflip", "zero", "stuck", "disable")
-SWEEP_KINDS: tuple[str, ...] = tuple(kind for kind in KINDS if kind != "disable")
-"""The kinds a sweep runs by strength alone (``disable`` needs ``experts=[...]``, which a sweep does not set)."""
 _ROUTER_LOGITS = "moe.hook_router_logits"
 _INT_VIEWS = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
