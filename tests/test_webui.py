@@ -636,6 +636,24 @@ def test_sweep_table_and_plot(ui: Page, shots: Path, tmp_path: Path) -> None:
     first = ui.inner_text("[data-testid=sweep-table] tbody tr >> nth=0")
     assert "+0.9" in first, first
     save_shot(ui, shots, "sweep")
+    # a sweep over experts: one layer × expert panel per kind (and strength), an expert column in the table
+    site = "moe.hook_router_logits"
+    experts = [
+        SweepRow(layer, site, "disable", 0.0, 4.0 + d, d, expert=e)
+        for layer in (0, 2)
+        for e, d in enumerate((0.01, 0.2, 0.03, 0.004))
+    ]
+    experts += [SweepRow(0, site, "gaussian", 1.0, 4.1, 0.1, expert=e) for e in range(4)]
+    paths = write_results(tmp_path / "expert-sweep", 4.0, experts)
+    ui.set_input_files("[data-testid=sweep-file]", str(paths["csv"]))
+    ui.wait_for_function(f"document.querySelectorAll('[data-testid=sweep-table] tbody tr').length === {len(experts)}")
+    titles = ui.locator(".panel h3").all_inner_texts()
+    assert titles == [f"{site} · disable", f"{site} · gaussian 1"], titles
+    assert "expert" in ui.inner_text("[data-testid=sweep-table] thead")
+    first = ui.inner_text("[data-testid=sweep-table] tbody tr >> nth=0")  # expert 1 of a layer: Δ 0.2, the largest
+    assert "+0.2" in first and "disable" in first and "–" in first, first
+    for i in range(2):
+        assert canvas_ink(ui, f"[data-testid=sweep-panel-{i}]") > 0.2
     ui.check_clean()
 
 

@@ -1,7 +1,10 @@
 // `lightning-megatron scope sweep` results (sweep.csv) read in the browser: rows, the clean loss they imply,
-// and the (site, kind) panels of Δ loss per layer × strength that sweep.png draws.
+// and the panels sweep.png draws: per (site, kind) Δ loss over layer × strength, and for the cells of one expert
+// each (mixture-of-experts sweeps, an `expert` column) per (site, kind, strength) Δ loss over layer × expert.
 export interface SweepRow {
   layer: number;
+  /** The expert whose router logit the cell perturbed; null where the cell is not per expert. */
+  expert: number | null;
   site: string;
   kind: string;
   strength: number;
@@ -12,11 +15,16 @@ export interface SweepRow {
 }
 
 export interface SweepPanel {
+  title: string;
   site: string;
   kind: string;
+  /** The one strength of an expert panel (null: a strength panel, or `disable`, which has none). */
+  strength: number | null;
+  /** What the columns are: strengths, or experts. */
+  axis: "strength" | "expert";
   layers: number[];
-  strengths: number[];
-  /** delta[layerIndex][strengthIndex]; NaN where the grid has no cell. */
+  columns: number[];
+  /** delta[layerIndex][columnIndex]; NaN where the grid has no cell. */
   delta: number[][];
 }
 
@@ -87,8 +95,11 @@ export function parseSweep(text: string): Sweep {
   const rows: SweepRow[] = table.slice(1).map((cells, i) => {
     const layer = parseNumber(cells[col("layer")] ?? "");
     if (!Number.isInteger(layer)) throw new Error(`row ${i + 2}: layer is not an integer`);
+    const expert = optional(cells, "expert");
+    if (expert !== null && !Number.isInteger(expert)) throw new Error(`row ${i + 2}: expert is not an integer`);
     return {
       layer,
+      expert,
       site: (cells[col("site")] ?? "").trim(),
       kind: (cells[col("kind")] ?? "").trim(),
       strength: parseNumber(cells[col("strength")] ?? ""),
@@ -110,17 +121,45 @@ export function cleanLoss(rows: SweepRow[]): number | null {
   return null;
 }
 
+function grid(
+  rows: SweepRow[],
+  column: (r: SweepRow) => number,
+): { layers: number[]; columns: number[]; delta: number[][] } {
+  const layers = [...new Set(rows.map((r) => r.layer))].sort((a, b) => a - b);
+  const columns = [...new Set(rows.map(column))].sort((a, b) => a - b);
+  const delta = layers.map(() => columns.map(() => NaN));
+  for (const r of rows) delta[layers.indexOf(r.layer)][columns.indexOf(column(r))] = r.deltaLoss;
+  return { layers, columns, delta };
+}
+
+/** The panels in sweep.png's order (lightning_megatron.scope.sweep.panels): strength panels by (site, kind), then
+ * expert panels by (site, kind, strength). */
 export function panels(rows: SweepRow[]): SweepPanel[] {
-  const keys = [...new Set(rows.map((r) => `${r.site}\u0000${r.kind}`))].sort();
-  return keys.map((key) => {
+  const out: SweepPanel[] = [];
+  const dense = rows.filter((r) => r.expert === null);
+  for (const key of [...new Set(dense.map((r) => `${r.site}\u0000${r.kind}`))].sort()) {
     const [site, kind] = key.split("\u0000");
-    const mine = rows.filter((r) => r.site === site && r.kind === kind);
-    const layers = [...new Set(mine.map((r) => r.layer))].sort((a, b) => a - b);
-    const strengths = [...new Set(mine.map((r) => r.strength))].sort((a, b) => a - b);
-    const delta = layers.map(() => strengths.map(() => NaN));
-    for (const r of mine) delta[layers.indexOf(r.layer)][strengths.indexOf(r.strength)] = r.deltaLoss;
-    return { site, kind, layers, strengths, delta };
-  });
+    const mine = dense.filter((r) => r.site === site && r.kind === kind);
+    out.push({
+      title: `${site} · ${kind}`,
+      site,
+      kind,
+      strength: null,
+      axis: "strength",
+      ...grid(mine, (r) => r.strength),
+    });
+  }
+  const experts = rows.filter((r) => r.expert !== null);
+  const keys = [...new Map(experts.map((r) => [`${r.site}\u0000${r.kind}\u0000${r.strength}`, r])).values()].sort(
+    (a, b) => a.site.localeCompare(b.site) || a.kind.localeCompare(b.kind) || a.strength - b.strength,
+  );
+  for (const k of keys) {
+    const mine = experts.filter((r) => r.site === k.site && r.kind === k.kind && Object.is(r.strength, k.strength));
+    const strength = k.kind === "disable" ? null : k.strength;
+    const title = `${k.site} · ${k.kind}` + (strength === null ? "" : ` ${strength}`);
+    out.push({ title, site: k.site, kind: k.kind, strength, axis: "expert", ...grid(mine, (r) => r.expert as number) });
+  }
+  return out;
 }
 
 export type SortKey = keyof SweepRow;
