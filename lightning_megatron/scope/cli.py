@@ -115,11 +115,10 @@ def _validation_data(loaded: Any, args: argparse.Namespace) -> Any:
     """The run's own validation data (its data module from config.yaml), the first ``--batches`` batches."""
     from itertools import islice
 
-    from torch.utils.data import DataLoader
-
     from lightning_megatron import data as data_package
     from lightning_megatron.errors import MegatronConfigError
     from lightning_megatron.models.loading import class_from_config
+    from lightning_megatron.scope.sweep import rank_batches
 
     section = loaded.config.get("data")
     if not section:
@@ -129,8 +128,7 @@ def _validation_data(loaded: Any, args: argparse.Namespace) -> Any:
     datamodule = class_from_config(section, data_package)(**section.get("init_args", {}))
     datamodule.trainer = loaded.trainer
     datamodule.setup("validate")
-    batches = list(islice(iter(datamodule.val_dataloader()), args.batches))
-    return DataLoader(batches, batch_size=None)  # the same batches for every cell
+    return rank_batches(list(islice(iter(datamodule.val_dataloader()), args.batches)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import torch
 from lightning_megatron.errors import MegatronConfigError
 from lightning_megatron.scope.perturb import KINDS, Perturbation, out_of_range, perturb
 
-__all__ = ["CSV_FIELDS", "ROUTER_SITE", "SweepGrid", "SweepRow", "panels", "run_sweep", "write_results"]
+__all__ = ["CSV_FIELDS", "ROUTER_SITE", "SweepGrid", "SweepRow", "panels", "rank_batches", "run_sweep", "write_results"]
 
 ROUTER_SITE = "moe.hook_router_logits"
 """The one per-layer site that takes ``experts``: the router's logits, one per expert."""
@@ -223,6 +223,26 @@ def run_sweep(
     if bar is not None:
         bar.close()
     return clean, rows
+
+
+class _RankBatches(torch.utils.data.IterableDataset):
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches = list(batches)
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def rank_batches(batches: Sequence[Any]) -> torch.utils.data.DataLoader:
+    """A loader of ``batches`` this rank already read (its own data-parallel share), the same for every cell.
+
+    An iterable dataset, because Lightning gives a map-style loader a ``DistributedSampler`` over the
+    data-parallel ranks: a share that was already split would be split again, and each rank would validate on
+    half of it."""
+    return torch.utils.data.DataLoader(_RankBatches(batches), batch_size=None)
 
 
 def _progress(total: int) -> Any:
