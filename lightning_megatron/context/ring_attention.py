@@ -26,6 +26,11 @@ arriving at their owner after ``N`` hops. Both directions are one ``autograd.Fun
 ``dist.batch_isend_irecv`` and are waited on only after the next block's computation was issued, so on GPUs they
 overlap it.
 
+Observers (MegaScan, ``scan.tracing.ring``): ``set_ring_observer(observer)`` makes every exchange call
+``observer.exchange(what, send_to, recv_from, nbytes)`` as it is issued (``what``: ``"kv forward"``, ``"kv
+backward"``, ``"dkv backward"``; global ranks) and ``observer.wait(handle, wait)`` to run its ``wait``; None (the
+default) costs one attribute read per exchange.
+
 Each block runs on the SDPA kernel that returns the log-sum-exp: ``_scaled_dot_product_flash_attention_for_cpu`` on
 CPUs, ``_scaled_dot_product_flash_attention`` on GPUs in bf16/fp16; elsewhere (fp32 on GPUs) a plain-torch block
 that computes the ``lse`` itself. Dropout is not supported (``MegatronConfigError`` where the attention asks for it).
@@ -33,12 +38,29 @@ that computes the ``lse`` itself. Dropout is not supported (``MegatronConfigErro
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ring_attention"]
+__all__ = ["RingObserver", "ring_attention", "set_ring_observer"]
+
+
+class RingObserver(Protocol):
+    def exchange(self, what: str, send_to: int, recv_from: int, nbytes: int) -> Any: ...
+
+    def wait(self, handle: Any, wait: Callable[[], None]) -> None: ...
+
+
+_observer: Optional[RingObserver] = None
+
+
+def set_ring_observer(observer: Optional[RingObserver]) -> Optional[RingObserver]:
+    """Observe every ring exchange from now on (None: stop); returns the previous observer."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
 
 
 # -- one block -------------------------------------------------------------------------------------------------
@@ -127,19 +149,31 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def shift(self, tensor: torch.Tensor) -> tuple[list, torch.Tensor]:
+    def shift(self, tensor: torch.Tensor, what: str) -> tuple[tuple[list, Any], torch.Tensor]:
         """Start sending ``tensor`` to the next rank and receiving its peer from the previous one."""
         received = torch.empty_like(tensor)
         ops = [
             dist.P2POp(dist.isend, tensor, self.next, self.group),
             dist.P2POp(dist.irecv, received, self.prev, self.group),
         ]
-        return dist.batch_isend_irecv(ops), received
+        observer = _observer
+        handle = None
+        if observer is not None:
+            handle = observer.exchange(what, self.next, self.prev, tensor.numel() * tensor.element_size())
+        return (dist.batch_isend_irecv(ops), (observer, handle)), received
 
     @staticmethod
-    def wait(requests: list) -> None:
-        for request in requests:
-            request.wait()
+    def wait(pending: tuple[list, Any]) -> None:
+        requests, (observer, handle) = pending
+
+        def wait() -> None:
+            for request in requests:
+                request.wait()
+
+        if observer is None:
+            wait()
+        else:
+            observer.wait(handle, wait)
 
 
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
@@ -165,7 +199,7 @@ class _RingAttention(torch.autograd.Function):
         acc_lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(ring.size):
-            pending = ring.shift(kv) if step + 1 < ring.size else None
+            pending = ring.shift(kv, "kv forward") if step + 1 < ring.size else None
             source = (ring.rank - step) % ring.size
             k_blk, v_blk = _expand(kv[0], groups), _expand(kv[1], groups)
             if step == 0:
@@ -196,7 +230,7 @@ class _RingAttention(torch.autograd.Function):
         dkv: Optional[torch.Tensor] = None
         dkv_pending = None
         for step in range(ring.size):
-            kv_pending = ring.shift(kv) if step + 1 < ring.size else None
+            kv_pending = ring.shift(kv, "kv backward") if step + 1 < ring.size else None
             source = (ring.rank - step) % ring.size
             k_blk, v_blk = _expand(kv[0], groups), _expand(kv[1], groups)
             grads = torch.zeros((2, *k_blk.shape), dtype=torch.float32, device=q.device)
@@ -232,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
             if dkv_pending is not None:
                 ring.wait(dkv_pending[0])
                 folded.add_(dkv_pending[1])
-            dkv_pending = ring.shift(folded)
+            dkv_pending = ring.shift(folded, "dkv backward")
             if kv_pending is not None:
                 ring.wait(kv_pending[0])
                 kv = kv_pending[1]

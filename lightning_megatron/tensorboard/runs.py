@@ -56,7 +56,7 @@ MAX_TIMELINE_RANKS = 256
 MAX_TIMELINE_SPANS = 150_000
 DEFAULT_TIMELINE_RANKS = 32
 
-WAIT_CATS = frozenset({"p2p", "data", "sync", "grad_sync"})  # plus blocking (not async) collectives
+WAIT_CATS = frozenset({"p2p", "data", "sync", "grad_sync", "ring.wait"})  # plus blocking (not async) collectives
 COMPUTE_CATS = frozenset({"compute", "compute.layer", "compute.op", "optimizer"})
 _RANKS = re.compile(r"^\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*$")
 

@@ -144,7 +144,7 @@ def _scan_event(scan: _Scan, rank: int, event: dict[str, Any]) -> None:
     if ph != "X":
         return
     cat, args = event.get("cat"), event.get("args") or {}
-    if cat == "p2p":
+    if cat in ("p2p", "ring"):  # pipeline messages, and ring attention's exchanges (their directions differ)
         endpoint = (rank, float(event["ts"]), float(event.get("dur", 0.0)), event.get("tid"))
         step = args.get("step")
         for send in args.get("sends") or ():
@@ -380,9 +380,10 @@ def _flow_event(pid: int, end: FlowEnd) -> dict[str, Any]:
 
 
 def _flows(scan: _Scan, offsets: dict[int, float]) -> tuple[dict[int, list[FlowEnd]], dict[str, int]]:
-    """Flow ends per rank (aligned time): p2p send → recv, and collective last arriver → every other member."""
+    """Flow ends per rank (aligned time): p2p send → recv (pipeline messages, and ring attention's exchanges as cat
+    ``ring``), and collective last arriver → every other member."""
     by_rank: dict[int, list[FlowEnd]] = defaultdict(list)
-    counts = {"p2p": 0, "collective": 0, "dropped": 0, "unmatched_sends": 0, "unmatched_recvs": 0}
+    counts = {"p2p": 0, "ring": 0, "collective": 0, "dropped": 0, "unmatched_sends": 0, "unmatched_recvs": 0}
     next_id = 1
 
     def pair(src: Endpoint, dst: Endpoint, cat: str, name: str) -> None:
@@ -403,7 +404,10 @@ def _flows(scan: _Scan, offsets: dict[int, float]) -> tuple[dict[int, list[FlowE
         if recv is None:
             counts["unmatched_sends"] += key[2] in present  # a send to a missing rank is not a surprise
             continue
-        pair(send, recv, "p2p", f"p2p {key[3]}")
+        if str(key[3]).startswith("ring "):  # context parallelism's exchange (scan.tracing.ring)
+            pair(send, recv, "ring", str(key[3]))
+        else:
+            pair(send, recv, "p2p", f"p2p {key[3]}")
     counts["unmatched_recvs"] = sum(1 for key in scan.recvs if key not in scan.sends and key[1] in present)
     for (_group, _seq), members in scan.collectives.items():
         if len(members) < 2:
@@ -558,7 +562,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     print(
         f"{output}: {summary['ranks_present']}/{summary['world_size']} ranks, {summary['events_out']} events, "
-        f"{summary['flows']['p2p']} p2p + {summary['flows']['collective']} collective flows; "
+        f"{summary['flows']['p2p']} p2p + "
+        + (f"{summary['flows']['ring']} ring + " if summary["flows"]["ring"] else "")
+        + f"{summary['flows']['collective']} collective flows; "
         + _skew_text(summary["residual_skew_us"])
     )
     return 0

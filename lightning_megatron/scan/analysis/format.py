@@ -35,6 +35,10 @@ Events (``pid`` = global rank everywhere; ``tid`` one of ``TID``):
                           forward``
   ``collective.wait``     ``all_gather wait`` / ...              as ``collective``: the time blocked in an
                                                                  async collective's ``wait()``
+  ``ring``                ``ring kv forward`` / ``ring kv        step, sends, recvs (as ``p2p``; ``direction`` is
+                          backward`` / ``ring dkv backward``     the name): one exchange of ring attention (context
+                                                                 parallelism), issue to end of ``wait()``
+  ``ring.wait``           ``ring kv forward wait`` / ...         step: the time blocked in the exchange's ``wait()``
   ``grad_sync``           ``grad-sync``                          step
   ``optimizer``           ``optimizer-step``                     step
   ``data``                ``data-fetch`` (the loader's ``next``) step (of the step it precedes)
@@ -53,7 +57,9 @@ Matching across ranks (what aggregation draws as flows and detection compares):
 * a p2p send ``{peer: Q, seq: k, direction: d}`` on rank P in step s is received by the recv
   ``{peer: P, seq: k, direction: d}`` on rank Q in step s (``direction`` is ``forward`` for activations,
   ``backward`` for gradients; ``seq`` counts per step, per peer and direction from 0). Messages between two
-  ranks are delivered in posting order, so matching by ``(P, Q, step, seq)`` alone is also exact;
+  ranks are delivered in posting order, so matching by ``(P, Q, step, seq)`` alone is also exact. Ring
+  attention's exchanges (cat ``ring``) pair the same way; their directions (``ring kv forward``, ...) keep them
+  apart from the pipeline's messages;
 * a collective is one instance per ``(tuple(group), seq)``: every member counts the collectives it traced on
   that group from 0 at fit start, in the same order (all ranks trace the same steps).
 

@@ -293,7 +293,8 @@ def _blocking(span: dict[str, Any]) -> bool:
     cat = span["cat"]
     if cat == "collective":
         return not (span.get("args") or {}).get("async", False)
-    return cat in ("p2p", "data", "collective.wait")  # collective.wait: blocked in an async collective's wait()
+    # collective.wait / ring.wait: blocked in an async collective's (a ring exchange's) wait()
+    return cat in ("p2p", "data", "collective.wait", "ring.wait")
 
 
 def net_compute_spans(trace: RankTrace) -> Iterable[tuple[dict[str, Any], float]]:

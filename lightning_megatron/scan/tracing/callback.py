@@ -33,6 +33,7 @@ from lightning_megatron.scan.tracing.online import OnlineDetection, write_report
 from lightning_megatron.scan.tracing.p2p import P2PMessages
 from lightning_megatron.scan.tracing.profile import PROFILE_OPTIONS, StepProfiler
 from lightning_megatron.scan.tracing.recorder import Span, SpanRecorder
+from lightning_megatron.scan.tracing.ring import RingTracer
 from lightning_megatron.scan.tracing.sched import RunDelay
 from lightning_megatron.strategy.listeners import P2P_TIMERS, StepListener
 
@@ -174,6 +175,7 @@ class MegaScan(pl.Callback, StepListener):
         self._file: Optional[io.TextIOBase] = None
         self._recorder: Optional[SpanRecorder] = None
         self._collectives: Optional[CollectiveTracer] = None
+        self._ring: Optional[RingTracer] = None  # ring attention's exchanges at CP > 1 (scan.tracing.ring)
         self._layers: Optional[LayerTracer] = None
         self._moe: Optional[MoETracer] = None  # MoE layers' exchanges and tokens per expert (scan.tracing.moe)
         self._layers_always = False  # layer hooks stay attached between windows (traced replays only)
@@ -294,6 +296,8 @@ class MegaScan(pl.Callback, StepListener):
         if MoETracer.moe_layers(strategy.wrapped_chunks):
             self._moe = MoETracer(self._recorder, self._context)
         layout = parallel.layout
+        if layout.context > 1:
+            self._ring = RingTracer(self._recorder, self._context)
         self.granularity, self.granularity_reason = choose_granularity(
             self.granularity_setting, layout.pipeline, layout.tensor, parallel.data_parallel_size
         )
@@ -362,6 +366,8 @@ class MegaScan(pl.Callback, StepListener):
         if not recorder.active:
             recorder.begin_window(busy=self._busy_window(step))
             self._collectives.install()
+            if self._ring is not None:
+                self._ring.install()
             if self._moe is not None:
                 self._moe.attach(self._strategy.wrapped_chunks)
             if self._layers is not None and not self._layers_always:
@@ -424,6 +430,8 @@ class MegaScan(pl.Callback, StepListener):
 
     def _finish_window(self) -> None:
         self._collectives.uninstall()
+        if self._ring is not None:
+            self._ring.uninstall()
         if self._layers is not None and not self._layers_always:
             self._layers.detach()
         events = self._recorder.end_window()
@@ -561,6 +569,8 @@ class MegaScan(pl.Callback, StepListener):
             self._profiler.close()
         if self._collectives is not None:
             self._collectives.uninstall()
+        if self._ring is not None:
+            self._ring.uninstall()
         if self._moe is not None:
             self._moe.detach()
         if self._recorder is not None:

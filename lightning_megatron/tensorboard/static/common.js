@@ -8,6 +8,8 @@ export const CAT_COLORS = {
   "compute.layer": "#8172B3",
   "compute.op": "#A89CC8",
   p2p: "#55A868",
+  ring: "#2A9D8F",
+  "ring.wait": "#8FD3CB",
   collective: "#C44E52",
   grad_sync: "#937860",
   optimizer: "#8C8C8C",

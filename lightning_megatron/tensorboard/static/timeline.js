@@ -9,6 +9,7 @@ const LEGEND = [
   ["backward", "backward"],
   ["compute.layer", "layer part"],
   ["p2p", "pipeline send/recv"],
+  ["ring", "context-parallel ring exchange"],
   ["collective", "collective"],
   ["grad_sync", "gradient sync"],
   ["optimizer", "optimizer"],
