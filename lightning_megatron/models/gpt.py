@@ -175,6 +175,9 @@ class GPTModule(MegatronLightningModule):
             beside its routed experts (DeepSeek-MoE, Qwen-MoE; all shared experts together: 2 of width 1408 are
             2816). Not split over expert-parallel ranks: it is a dense MLP (split over TP). ``None``: none.
         moe_shared_expert_gate: Scale the shared experts' output by a learned sigmoid gate per token (Qwen-MoE).
+        moe_router_pre_softmax: Route as Qwen-MoE with ``norm_topk_prob=False`` does: softmax over all experts, then
+            the top k of those probabilities, not renormalized. ``False`` (default; Mixtral): top k of the logits,
+            softmax over the k (the same experts, weights that sum to 1).
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
             ``{"recompute_modules": ["core_attn", "mlp"]}``), applied last; unknown names are an error, and so
             are the three recompute fields above (pass them as arguments).
@@ -227,6 +230,7 @@ class GPTModule(MegatronLightningModule):
         moe_grouped_gemm: bool = False,
         moe_shared_expert_intermediate_size: Optional[int] = None,
         moe_shared_expert_gate: bool = False,
+        moe_router_pre_softmax: bool = False,
         transformer_config_overrides: Optional[dict[str, Any]] = None,
         split_invariant_init: bool = True,
         init_seed: int = 1234,
@@ -264,6 +268,7 @@ class GPTModule(MegatronLightningModule):
             add_bias_linear=add_bias_linear,
             moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=moe_shared_expert_gate,
+            moe_router_pre_softmax=moe_router_pre_softmax,
             num_layers=num_layers,
             ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
             overrides=transformer_config_overrides,
