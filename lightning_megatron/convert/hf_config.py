@@ -195,7 +195,7 @@ def hf_config_to_gpt_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 def hf_model_type(hp: dict[str, Any]) -> str:
     """The Hugging Face family a ``GPTModule`` (its hparams) is exported as, or ``NotImplementedError``."""
     if hp["position_embedding_type"] == "learned_absolute" and hp["normalization"] == "LayerNorm":
-        if hp["activation"] in ("gelu", "gelu_tanh") and hp["add_bias_linear"] and not hp.get("add_qkv_bias"):
+        if hp["activation"] in ("gelu", "gelu_tanh") and hp["add_bias_linear"]:  # its biases include the qkv one
             return "gpt2"
     llama_like = hp["position_embedding_type"] == "rope" and hp["normalization"] == "RMSNorm"
     if llama_like and hp["activation"] == "swiglu" and not hp["add_bias_linear"]:
