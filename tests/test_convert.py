@@ -20,7 +20,7 @@ import pytest
 import torch
 from trainers import quiet_trainer
 
-from lightning_megatron.convert import hf_config_to_gpt_kwargs
+from lightning_megatron.convert import gpt_kwargs_to_hf_config, hf_config_to_gpt_kwargs
 from lightning_megatron.models import GPTModule
 
 SEQ = 16
@@ -118,7 +118,25 @@ def _models() -> dict[str, Any]:
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
     )
+    qwen = dict(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=250,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
+    qwen2 = transformers.Qwen2Config(**qwen, tie_word_embeddings=True)
+    # 4 experts, top-2, a gated shared expert, layer 1 dense (mlp_only_layers); the released models' routing
+    # (norm_topk_prob=False: softmax over all experts, top 2, no renormalization) and Mixtral's (True)
+    moe = dict(qwen, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+    moe.update(shared_expert_intermediate_size=80, tie_word_embeddings=False)
     return {
+        "qwen2": (transformers.Qwen2ForCausalLM, qwen2),
+        "qwen2_moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(**moe, norm_topk_prob=False)),
+        "qwen2_moe_norm": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(**moe, norm_topk_prob=True)),
         "gpt2": (transformers.GPT2LMHeadModel, gpt2),
         "llama": (transformers.LlamaForCausalLM, llama),
         "mixtral": (transformers.MixtralForCausalLM, mixtral),
@@ -205,3 +223,64 @@ def _check_forward_and_round_trip(
     changed = {k: (v, exported_config.get(k)) for k, v in original_config.items() if exported_config.get(k) != v}
     assert not changed
     assert hf_config_to_gpt_kwargs(exported_config) == hf_config_to_gpt_kwargs(original_config)
+
+
+QWEN_LAYOUTS = {
+    "qwen2-single": ("qwen2", 1, {}),
+    "qwen2-tp2-sp": ("qwen2", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "qwen2-pp2": ("qwen2", 2, {"pipeline_model_parallel_size": 2}),
+    "qwen2_moe-single": ("qwen2_moe", 1, {}),
+    "qwen2_moe-tp2-sp-ep2": ("qwen2_moe", 4, MOE_LAYOUTS["tp2-sp-ep2"][1]),
+    "qwen2_moe-pp2-ep2": ("qwen2_moe", 4, MOE_LAYOUTS["pp2-ep2"][1]),
+    "qwen2_moe_norm-single": ("qwen2_moe_norm", 1, {}),
+    "qwen2_moe_norm-ep2": ("qwen2_moe_norm", 2, MOE_LAYOUTS["ep2"][1]),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return {name: _saved_model(name, tmp_path_factory) for name in ("qwen2", "qwen2_moe", "qwen2_moe_norm")}
+
+
+@pytest.mark.parametrize("layout", list(QWEN_LAYOUTS))
+def test_qwen_forward_and_round_trip(ranks: Any, qwen_models: dict[str, Any], layout: str, tmp_path: Path) -> None:
+    """Qwen2 (q/k/v biases, tied embeddings) and Qwen2-MoE (a gated shared expert, a dense layer, both routings):
+    logits as transformers' at one process and with the model split over tensor (+ sequence), pipeline and expert
+    ranks, and export gives back the same tensors and config."""
+    name, world_size, strategy = QWEN_LAYOUTS[layout]
+    _check_forward_and_round_trip(ranks, qwen_models[name], layout, world_size, strategy, tmp_path)
+
+
+def test_qwen_configs_map_both_ways() -> None:
+    """What a Qwen config becomes (the fields the tensors cannot show), and what is refused."""
+    models = _models()
+    dense = hf_config_to_gpt_kwargs(models["qwen2"][1].to_dict())
+    assert dense["add_qkv_bias"] and dense["share_embeddings_and_output_weights"] and not dense["add_bias_linear"]
+    moe_config = models["qwen2_moe"][1].to_dict()
+    moe = hf_config_to_gpt_kwargs(moe_config)
+    assert moe["moe_layer_freq"] == [1, 0, 1, 1] and moe["moe_router_pre_softmax"] and moe["moe_shared_expert_gate"]
+    assert (moe["ffn_hidden_size"], moe["moe_ffn_hidden_size"], moe["moe_shared_expert_intermediate_size"]) == (
+        96,
+        32,
+        80,
+    )
+    assert not hf_config_to_gpt_kwargs(models["qwen2_moe_norm"][1].to_dict())["moe_router_pre_softmax"]
+    # decoder_sparse_step=2: layers 1 and 3 (transformers' (i + 1) % step), not megatron-core's integer 2 (0 and 2)
+    stepped = hf_config_to_gpt_kwargs({**moe_config, "mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert stepped["moe_layer_freq"] == [0, 1, 0, 1]
+    exported = gpt_kwargs_to_hf_config({**stepped, "moe_layer_freq": 2})  # megatron-core's every 2nd: 0 and 2
+    assert (exported["decoder_sparse_step"], exported["mlp_only_layers"]) == (1, [1, 3])
+    assert hf_config_to_gpt_kwargs(exported)["moe_layer_freq"] == [1, 0, 1, 0]
+    for refused, match in (
+        ({"use_sliding_window": True}, "use_sliding_window=True"),
+        ({"layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, r"sliding-attention layers \[3\]"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "'yarn'"),
+    ):
+        for config in (models["qwen2"][1].to_dict(), moe_config):
+            with pytest.raises(NotImplementedError, match=match):
+                hf_config_to_gpt_kwargs({**config, **refused})
+    with pytest.raises(NotImplementedError, match="shared_expert_intermediate_size=0"):
+        hf_config_to_gpt_kwargs({**moe_config, "shared_expert_intermediate_size": 0})
+    # A shared expert without Qwen's gate is neither Mixtral nor Qwen2-MoE
+    with pytest.raises(NotImplementedError, match="moe_shared_expert_gate=True"):
+        gpt_kwargs_to_hf_config({**moe, "moe_shared_expert_gate": False})

@@ -150,9 +150,12 @@ def test_moe_settings_are_checked() -> None:
         GPTModule(num_moe_experts=4, moe_shared_expert_gate=True, add_bias_linear=False)
     with pytest.raises(MegatronConfigError, match="need an MoE model: set num_moe_experts"):
         GPTModule(moe_shared_expert_intermediate_size=64)
-    # Mixtral has no shared experts: such a model is not exported as one
+    # Mixtral has no shared experts: a gated shared expert is exported as Qwen2-MoE, an ungated one not at all
+    assert gpt_kwargs_to_hf_config(dict(GPTModule(**SHARED).hparams))["model_type"] == "qwen2_moe"
     with pytest.raises(NotImplementedError, match="no shared experts"):
-        gpt_kwargs_to_hf_config(dict(GPTModule(**{**SHARED, "layer_spec": "local"}).hparams))
+        gpt_kwargs_to_hf_config(dict(GPTModule(**{**SHARED, "moe_shared_expert_gate": False}).hparams))
+    with pytest.raises(MegatronConfigError, match="moe_router_pre_softmax need an MoE model"):
+        GPTModule(moe_router_pre_softmax=True)
     with pytest.raises(MegatronConfigError, match="GPTModule\\(num_moe_experts=...\\)"):
         GPTModule(transformer_config_overrides={"num_moe_experts": 4})
     with pytest.raises(MegatronConfigError, match="expert_model_parallel_size"):

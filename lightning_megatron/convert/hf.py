@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Mixtral) to and from ``GPTModule``, at any tensor/pipeline/expert layout.
+"""Hugging Face checkpoints (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE) to and from ``GPTModule``, at any
+tensor/pipeline/expert layout.
 
 Shards are located through megatron-core's sharded state dict, as ``models.init`` does: every
 ``ShardedTensor`` of a chunk names a *global* tensor (``key``, ``global_shape``, with ``prepend_axis_num``
@@ -20,11 +21,17 @@ Layouts that differ between the two worlds:
   global tensor per layer in megatron-core, with a leading expert axis (``experts.experts.linear_fc1`` is
   ``[gate; up]`` per expert). Its router (softmax over all experts, top-k, weights renormalized over the k) is
   megatron-core's default top-k router (top-k over the logits, softmax over the k): the same weights.
+* Qwen2's q/k/v biases are one ``linear_qkv.bias`` (``GPTModule(add_qkv_bias=True)``), grouped like the weight's
+  rows. Qwen2-MoE's MoE layers (``mlp.experts.{e}.gate_proj/up_proj/down_proj``, router ``mlp.gate``) add a shared
+  expert (``mlp.shared_expert.*``: megatron-core's ``shared_experts.linear_fc1/fc2``) whose ``[1, hidden]`` sigmoid
+  gate ``mlp.shared_expert_gate.weight`` is megatron-core's ``shared_experts.gate_weight`` unchanged; its layers
+  listed in ``mlp_only_layers`` are dense Llama MLPs. The routing and the other config fields: ``convert.hf_config``.
 * Models whose layers differ (``moe_layer_freq`` other than 1) have the layer number in their keys
   (``decoder.layers.3.mlp...``) instead of a leading layer axis; both are read.
 
-Dependencies run one way: this module uses ``models.sharding`` and never imports ``models.gpt``, whose
-``GPTModule(hf_checkpoint=...)`` calls ``load_hf_weights_``.
+Dependencies run one way: this module uses ``convert.hf_config`` (the ``config.json`` side, per family) and
+``models.sharding`` and never imports ``models.gpt``, whose ``GPTModule(hf_checkpoint=...)`` calls
+``load_hf_weights_``.
 """
 
 from __future__ import annotations
@@ -40,177 +47,13 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 from megatron.core.utils import unwrap_model
 
+from lightning_megatron.convert.hf_config import gpt_kwargs_to_hf_config, hf_config_to_gpt_kwargs, hf_model_type
 from lightning_megatron.models.sharding import sharded_tensors
 
 __all__ = ["export_hf", "gpt_kwargs_to_hf_config", "hf_config_to_gpt_kwargs", "load_hf_weights_"]
 
 _LAYERS = "decoder.layers."
 _Tensors = dict[str, torch.Tensor]
-
-
-# -- configs --------------------------------------------------------------------------------------
-def _rope_theta(config: dict[str, Any]) -> float:
-    """``rope_theta`` from either config style (top level, or ``rope_parameters`` since transformers 5)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"RoPE scaling {rope_type!r} is not supported (only unscaled RoPE).")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-
-
-def hf_config_to_gpt_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    """``GPTModule`` arguments that build the architecture of a Hugging Face ``config.json``.
-
-    Only the architecture is set (shape, norms, activation, positions, dropout); training arguments keep
-    ``GPTModule``'s defaults. ``mask_padded_vocab`` is on so the loss ignores the vocabulary padding and
-    equals the original model's.
-    """
-    model_type = config.get("model_type")
-    if model_type == "gpt2":
-        act = config.get("activation_function", "gelu_new")
-        activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-        if act not in activations:
-            raise NotImplementedError(f"GPT-2 activation_function={act!r} is not supported ({sorted(activations)}).")
-        if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
-            raise NotImplementedError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported.")
-        hidden = config["n_embd"]
-        return dict(
-            vocab_size=config["vocab_size"],
-            seq_length=config["n_positions"],
-            num_layers=config["n_layer"],
-            hidden_size=hidden,
-            num_attention_heads=config["n_head"],
-            ffn_hidden_size=config.get("n_inner") or 4 * hidden,
-            position_embedding_type="learned_absolute",
-            normalization="LayerNorm",
-            activation=activations[act],
-            add_bias_linear=True,
-            share_embeddings_and_output_weights=config.get("tie_word_embeddings", True),
-            hidden_dropout=config.get("resid_pdrop", 0.1),
-            attention_dropout=config.get("attn_pdrop", 0.1),
-            layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
-            init_method_std=config.get("initializer_range", 0.02),
-            mask_padded_vocab=True,
-        )
-    if model_type == "mixtral":
-        if config.get("sliding_window") not in (None, 0) and config["sliding_window"] < config.get(
-            "max_position_embeddings", 2048
-        ):
-            raise NotImplementedError("Mixtral checkpoints with a sliding attention window are not supported.")
-        experts = dict(
-            num_moe_experts=config["num_local_experts"],
-            moe_router_topk=config.get("num_experts_per_tok", 2),
-            moe_ffn_hidden_size=config["intermediate_size"],
-            moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
-        )
-        return {**hf_config_to_gpt_kwargs({**config, "model_type": "llama"}), **experts}
-    if model_type == "llama":
-        if config.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"Llama hidden_act={config['hidden_act']!r} is not supported (only silu).")
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise NotImplementedError("Llama checkpoints with attention_bias or mlp_bias are not supported.")
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        head_dim = config.get("head_dim") or hidden // heads
-        return dict(
-            vocab_size=config["vocab_size"],
-            seq_length=config.get("max_position_embeddings", 2048),
-            num_layers=config["num_hidden_layers"],
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_query_groups=config.get("num_key_value_heads") or heads,
-            ffn_hidden_size=config["intermediate_size"],
-            kv_channels=None if head_dim == hidden // heads else head_dim,
-            position_embedding_type="rope",
-            rotary_base=_rope_theta(config),
-            normalization="RMSNorm",
-            activation="swiglu",
-            add_bias_linear=False,
-            share_embeddings_and_output_weights=config.get("tie_word_embeddings", False),
-            hidden_dropout=0.0,
-            attention_dropout=config.get("attention_dropout", 0.0),
-            layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
-            init_method_std=config.get("initializer_range", 0.02),
-            mask_padded_vocab=True,
-        )
-    raise NotImplementedError(
-        f"model_type={model_type!r} is not supported; choose a 'gpt2', 'llama' or 'mixtral' checkpoint."
-    )
-
-
-def _model_type(hp: dict[str, Any]) -> str:
-    if hp["position_embedding_type"] == "learned_absolute" and hp["normalization"] == "LayerNorm":
-        if hp["activation"] in ("gelu", "gelu_tanh") and hp["add_bias_linear"]:
-            return "gpt2"
-    experts = hp.get("num_moe_experts")
-    if hp["position_embedding_type"] == "rope" and hp["normalization"] == "RMSNorm":
-        if hp["activation"] == "swiglu" and not hp["add_bias_linear"]:
-            if experts is None:
-                return "llama"
-            if hp.get("moe_layer_freq", 1) == 1 and hp.get("moe_shared_expert_intermediate_size") is None:
-                return "mixtral"
-    raise NotImplementedError(
-        "Only GPT-2 style (learned positions, LayerNorm, gelu, biases), Llama style (RoPE, RMSNorm, swiglu, no "
-        "biases) and Mixtral style (Llama with an MoE layer in every layer, no shared experts) GPTModules can be "
-        "exported to Hugging Face."
-    )
-
-
-def gpt_kwargs_to_hf_config(hp: dict[str, Any], base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a ``GPTModule`` (its hparams), over ``base`` (kept fields: token ids, ...)."""
-    config = dict(base or {})
-    model_type = _model_type(hp)
-    hidden, heads = hp["hidden_size"], hp["num_attention_heads"]
-    config["model_type"] = model_type
-    config["vocab_size"] = hp["vocab_size"]
-    config["tie_word_embeddings"] = hp["share_embeddings_and_output_weights"]
-    config["initializer_range"] = hp["init_method_std"]
-    if model_type == "gpt2":
-        config["architectures"] = ["GPT2LMHeadModel"]
-        ffn = hp.get("ffn_hidden_size")
-        config.update(
-            n_positions=hp["seq_length"],
-            n_layer=hp["num_layers"],
-            n_embd=hidden,
-            n_head=heads,
-            n_inner=None if ffn in (None, 4 * hidden) else ffn,
-            activation_function="gelu_new" if hp["activation"] == "gelu_tanh" else "gelu",
-            layer_norm_epsilon=hp["layernorm_epsilon"],
-            resid_pdrop=hp["hidden_dropout"],
-            embd_pdrop=hp["hidden_dropout"],  # megatron-core's hidden_dropout covers the embeddings too
-            attn_pdrop=hp["attention_dropout"],
-        )
-    else:
-        config["architectures"] = ["MixtralForCausalLM" if model_type == "mixtral" else "LlamaForCausalLM"]
-        # A base config that leaves head_dim unset (None: hidden / heads, as Mixtral's does) keeps it unset.
-        default_head_dim = "head_dim" in config and config["head_dim"] is None and not hp.get("kv_channels")
-        config.update(
-            max_position_embeddings=hp["seq_length"],
-            num_hidden_layers=hp["num_layers"],
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=hp.get("num_query_groups") or heads,
-            intermediate_size=hp.get("ffn_hidden_size") or 4 * hidden,
-            head_dim=None if default_head_dim else hp.get("kv_channels") or hidden // heads,
-            hidden_act="silu",
-            rms_norm_eps=hp["layernorm_epsilon"],
-            attention_dropout=hp["attention_dropout"],
-        )
-        if model_type == "mixtral":
-            config.update(
-                intermediate_size=hp.get("moe_ffn_hidden_size") or config["intermediate_size"],
-                num_local_experts=hp["num_moe_experts"],
-                num_experts_per_tok=hp.get("moe_router_topk", 2),
-                router_aux_loss_coef=hp.get("moe_aux_loss_coeff", 0.0),
-            )
-            config.setdefault("sliding_window", None)
-        else:
-            config.update(attention_bias=False, mlp_bias=False)
-        if "rope_parameters" in config or "rope_theta" not in config:
-            config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "rope_theta": hp["rotary_base"]}
-            config["rope_parameters"].setdefault("rope_type", "default")
-        else:
-            config["rope_theta"] = hp["rotary_base"]
-    return config
 
 
 # -- tensor layouts -------------------------------------------------------------------------------
@@ -248,11 +91,34 @@ def _t(t: torch.Tensor) -> torch.Tensor:
     return t.t()
 
 
+def _swiglu_rule(gate: str, up: str) -> _Rule:
+    """A SwiGLU ``linear_fc1`` (``[gate; up]``) from its two Hugging Face projections."""
+    return _Rule([gate, up], lambda g, u: torch.cat([g, u], dim=0), lambda t: t.chunk(2, dim=0))
+
+
+def _qwen2_moe_rules(mlp: str) -> dict[str, _Rule]:
+    """An MoE layer of Qwen2-MoE (``mlp``: its ``model.layers.{i}.mlp.`` prefix): router, experts, gated shared
+    expert. The shared expert's gate (``nn.Linear(hidden, 1)``, ``[1, hidden]``) is megatron-core's ``gate_weight``
+    as it is; both apply a sigmoid to it."""
+    return {
+        "mlp.router.weight": _Rule([mlp + "gate.weight"]),
+        "mlp.experts.experts.linear_fc1.weight": _swiglu_rule(
+            mlp + "experts.{e}.gate_proj.weight", mlp + "experts.{e}.up_proj.weight"
+        ),
+        "mlp.experts.experts.linear_fc2.weight": _Rule([mlp + "experts.{e}.down_proj.weight"]),
+        "mlp.shared_experts.linear_fc1.weight": _swiglu_rule(
+            mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"
+        ),
+        "mlp.shared_experts.linear_fc2.weight": _Rule([mlp + "shared_expert.down_proj.weight"]),
+        "mlp.shared_experts.gate_weight": _Rule([mlp + "shared_expert_gate.weight"]),
+    }
+
+
 def _rules(hp: dict[str, Any]) -> dict[str, _Rule]:
     """megatron-core key (``decoder.layers.`` keys without the layer number) → conversion rule."""
     heads = hp["num_attention_heads"]
     groups = hp.get("num_query_groups") or heads
-    model_type = _model_type(hp)
+    model_type = hf_model_type(hp)
     if model_type == "gpt2":
         p = "transformer."
         attn_t = lambda t: _qkv_to_megatron(*t.t().chunk(3, dim=0), groups=heads)  # noqa: E731
@@ -297,13 +163,17 @@ def _rules(hp: dict[str, Any]) -> dict[str, _Rule]:
             ),
             "self_attention.linear_proj.weight": _Rule([p + "self_attn.o_proj.weight"]),
             "pre_mlp_layernorm.weight": _Rule([p + "post_attention_layernorm.weight"]),
-            "mlp.linear_fc1.weight": _Rule(
-                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                lambda gate, up: torch.cat([gate, up], dim=0),
-                lambda t: t.chunk(2, dim=0),
-            ),
+            "mlp.linear_fc1.weight": _swiglu_rule(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
             "mlp.linear_fc2.weight": _Rule([p + "mlp.down_proj.weight"]),
         }
+        if model_type in ("qwen2", "qwen2_moe") and hp.get("add_qkv_bias"):
+            layer["self_attention.linear_qkv.bias"] = _Rule(
+                [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"],
+                lambda q, k, v: _qkv_to_megatron(q, k, v, groups),
+                lambda t: _qkv_from_megatron(t, heads, groups),
+            )
+        if model_type == "qwen2_moe":  # dense layers (mlp_only_layers) keep the Llama MLP rules above
+            layer.update(_qwen2_moe_rules(p + "mlp."))
         if model_type == "mixtral":
             moe = p + "block_sparse_moe."
             for key in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
@@ -311,10 +181,8 @@ def _rules(hp: dict[str, Any]) -> dict[str, _Rule]:
             layer.update(
                 {
                     "mlp.router.weight": _Rule([moe + "gate.weight"]),
-                    "mlp.experts.experts.linear_fc1.weight": _Rule(
-                        [moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight"],
-                        lambda gate, up: torch.cat([gate, up], dim=0),
-                        lambda t: t.chunk(2, dim=0),
+                    "mlp.experts.experts.linear_fc1.weight": _swiglu_rule(
+                        moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight"
                     ),
                     "mlp.experts.experts.linear_fc2.weight": _Rule([moe + "experts.{e}.w2.weight"]),
                 }

@@ -106,6 +106,9 @@ class GPTModule(MegatronLightningModule):
         position_embedding_type: ``"learned_absolute"`` (GPT-2) or ``"rope"`` (Llama).
         normalization, activation, add_bias_linear: ``LayerNorm``/``gelu``/biases is GPT-2 (whose
             Hugging Face weights use ``gelu_tanh``); ``RMSNorm``/``swiglu``/no biases is Llama.
+        add_qkv_bias: A bias on the fused query/key/value projection even when ``add_bias_linear=False``
+            (megatron-core's field; Qwen2 and Qwen2-MoE have biases there and nowhere else). Split over
+            tensor-parallel ranks with the projection's rows; initialized to zeros like every bias.
         kv_channels: Width of one attention head (default ``hidden_size // num_attention_heads``).
         layernorm_epsilon: Epsilon of every LayerNorm/RMSNorm (Llama checkpoints use 1e-5 or 1e-6).
         rotary_base: RoPE base (``rope_theta``), used with ``position_embedding_type="rope"``.
@@ -172,6 +175,9 @@ class GPTModule(MegatronLightningModule):
             beside its routed experts (DeepSeek-MoE, Qwen-MoE; all shared experts together: 2 of width 1408 are
             2816). Not split over expert-parallel ranks: it is a dense MLP (split over TP). ``None``: none.
         moe_shared_expert_gate: Scale the shared experts' output by a learned sigmoid gate per token (Qwen-MoE).
+        moe_router_pre_softmax: Route as Qwen-MoE with ``norm_topk_prob=False`` does: softmax over all experts, then
+            the top k of those probabilities, not renormalized. ``False`` (default; Mixtral): top k of the logits,
+            softmax over the k (the same experts, weights that sum to 1).
         transformer_config_overrides: Extra megatron-core ``TransformerConfig`` fields (for example
             ``{"recompute_modules": ["core_attn", "mlp"]}``), applied last; unknown names are an error, and so
             are the three recompute fields above (pass them as arguments).
@@ -195,6 +201,7 @@ class GPTModule(MegatronLightningModule):
         normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm",
         activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu",
         add_bias_linear: bool = True,
+        add_qkv_bias: bool = False,
         share_embeddings_and_output_weights: bool = False,
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
@@ -223,6 +230,7 @@ class GPTModule(MegatronLightningModule):
         moe_grouped_gemm: bool = False,
         moe_shared_expert_intermediate_size: Optional[int] = None,
         moe_shared_expert_gate: bool = False,
+        moe_router_pre_softmax: bool = False,
         transformer_config_overrides: Optional[dict[str, Any]] = None,
         split_invariant_init: bool = True,
         init_seed: int = 1234,
@@ -236,6 +244,11 @@ class GPTModule(MegatronLightningModule):
         super().__init__()
         self.save_hyperparameters()
         # Checked here, in the process that builds the module, before any rank starts; the layout's part later.
+        if "add_qkv_bias" in (transformer_config_overrides or {}):
+            raise MegatronConfigError(
+                "transformer_config_overrides sets 'add_qkv_bias', a GPTModule argument (export and the layer specs "
+                "read it there): pass GPTModule(add_qkv_bias=...) instead."
+            )
         self._recompute = check_recompute(
             recompute_granularity,
             recompute_method,
@@ -255,6 +268,7 @@ class GPTModule(MegatronLightningModule):
             add_bias_linear=add_bias_linear,
             moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=moe_shared_expert_gate,
+            moe_router_pre_softmax=moe_router_pre_softmax,
             num_layers=num_layers,
             ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
             overrides=transformer_config_overrides,
@@ -322,6 +336,7 @@ class GPTModule(MegatronLightningModule):
                 init_method_std=hp.init_method_std,
                 normalization=hp.normalization,
                 add_bias_linear=hp.add_bias_linear,
+                add_qkv_bias=hp.add_qkv_bias,
                 gated_linear_unit=swiglu,
                 activation_func=_ACTIVATIONS[hp.activation],
                 kv_channels=hp.kv_channels,

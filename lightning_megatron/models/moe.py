@@ -68,6 +68,7 @@ def check_moe(
     add_bias_linear: bool,
     moe_shared_expert_intermediate_size: Optional[int] = None,
     moe_shared_expert_gate: bool = False,
+    moe_router_pre_softmax: bool = False,
     num_layers: int,
     ffn_hidden_size: int,
     overrides: Optional[dict[str, Any]],
@@ -78,7 +79,7 @@ def check_moe(
     naming the parameter. Needs only the module's arguments: ``GPTModule.__init__`` runs it before any process."""
     named = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff")
     named += ("moe_token_dispatcher_type", "moe_layer_freq", "moe_grouped_gemm")
-    named += ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+    named += ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax")
     clash = sorted(set(overrides or {}) & set(named))
     if clash:
         raise MegatronConfigError(
@@ -86,9 +87,10 @@ def check_moe(
             f"GPTModule({', '.join(f'{name}=...' for name in clash)}) instead."
         )
     if num_moe_experts is None:
-        if moe_shared_expert_intermediate_size is not None or moe_shared_expert_gate:
+        if moe_shared_expert_intermediate_size is not None or moe_shared_expert_gate or moe_router_pre_softmax:
             raise MegatronConfigError(
-                "moe_shared_expert_intermediate_size / moe_shared_expert_gate need an MoE model: set num_moe_experts."
+                "moe_shared_expert_intermediate_size / moe_shared_expert_gate / moe_router_pre_softmax need an MoE "
+                "model: set num_moe_experts."
             )
         return {}
     if isinstance(num_moe_experts, bool) or not isinstance(num_moe_experts, int) or num_moe_experts < 2:
@@ -119,6 +121,8 @@ def check_moe(
         )
     if moe_shared_expert_gate not in (True, False):
         raise MegatronConfigError(f"moe_shared_expert_gate={moe_shared_expert_gate!r}: true or false.")
+    if moe_router_pre_softmax not in (True, False):
+        raise MegatronConfigError(f"moe_router_pre_softmax={moe_router_pre_softmax!r}: true or false.")
     if moe_shared_expert_gate and shared is None:
         raise MegatronConfigError(
             "moe_shared_expert_gate=True gates the shared experts' output; it needs "
@@ -139,6 +143,7 @@ def check_moe(
         "moe_layer_freq": moe_layer_freq,
         "moe_shared_expert_intermediate_size": shared,
         "moe_shared_expert_gate": moe_shared_expert_gate,
+        "moe_router_pre_softmax": moe_router_pre_softmax,
     }
 
 
