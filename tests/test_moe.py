@@ -110,8 +110,10 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
             assert _close(a, b, 1e-3), f"rank {rank}: step {step} loss {a} != uninterrupted {b}"
 
 
-# DeepSeek-/Qwen-MoE style: a shared expert every token goes through, scaled by a sigmoid gate (Qwen)
+# Qwen-MoE style: a shared expert every token goes through, scaled by a sigmoid gate, and the routed experts' weights
+# the softmax over all experts, not renormalized over the top k (moe_router_pre_softmax)
 SHARED = {**MODEL, "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
+SHARED["moe_router_pre_softmax"] = True
 
 
 def test_shared_experts_follow_one_process_and_reshard(ranks: Any, one_process: dict[str, Any], tmp_path: Path) -> None:
