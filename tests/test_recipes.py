@@ -56,6 +56,21 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_gpu_recipe_is_tested() -> None:
     names = {p.name for p in GPU_RECIPES}
     assert {"gpt2-medium-1gpu.yaml", "llama-0.85b-1gpu.yaml", "gpt-1.3b-tp2.yaml", "gpt-1.3b-pp2-dpp.yaml"} <= names
+    assert "llama3-8b-tp2.yaml" in names
+
+
+def check_splits_at_full_length(config: dict, corpus_dir: Path) -> None:
+    """At the recipe's own sequence length, which the fit below cuts, the training and validation splits of the
+    demo corpus each hold a global batch (a 2% validation split once held 17 sequences of 1024 tokens on a GPU
+    machine, fewer than the batch of 32)."""
+    from lightning_megatron.data import GPTDataModule
+
+    args = {**config["data"]["init_args"], "num_workers": 0}
+    args.update(data_path=str(corpus_dir / args["data_path"]), tokenizer=str(corpus_dir / args["tokenizer"]))
+    data = GPTDataModule(**args)
+    data.setup("fit")
+    for split in ("train", "valid"):
+        assert len(data.datasets[split]) >= args["global_batch_size"], (split, len(data.datasets[split]))
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.stem)
@@ -68,6 +83,7 @@ def test_recipe_trains_on_cpu_shrunk(recipe: Path, corpus_dir: Path) -> None:
     strategy = trainer["strategy"]["init_args"]
     devices = strategy.get("tensor_model_parallel_size", 1) * strategy.get("pipeline_model_parallel_size", 1)
     assert trainer["devices"] == devices, "the recipe's devices are its model-parallel size (data parallelism 1)"
+    check_splits_at_full_length(config, corpus_dir)
     shrink = dict(SHRINK)
     if model.get("num_query_groups"):
         shrink["--model.init_args.num_query_groups"] = "2"
