@@ -133,7 +133,17 @@ def _models() -> dict[str, Any]:
     # (norm_topk_prob=False: softmax over all experts, top 2, no renormalization) and Mixtral's (True)
     moe = dict(qwen, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
     moe.update(shared_expert_intermediate_size=80, tie_word_embeddings=False)
+    # Qwen3: per-head q/k norms, heads of 24 (not 64 / 4 = 16), GQA; tied and untied. Qwen3-MoE: 4 experts, top-2,
+    # no shared expert, layer 2 dense, the released models' routing (norm_topk_prob=True)
+    qwen3 = dict(qwen, head_dim=24)
+    qwen3_moe = dict(qwen3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[2])
     return {
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**qwen3, tie_word_embeddings=True)),
+        "qwen3_untied": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**qwen3, tie_word_embeddings=False)),
+        "qwen3_moe": (
+            transformers.Qwen3MoeForCausalLM,
+            transformers.Qwen3MoeConfig(**qwen3_moe, norm_topk_prob=True, tie_word_embeddings=False),
+        ),
         "qwen2": (transformers.Qwen2ForCausalLM, qwen2),
         "qwen2_moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(**moe, norm_topk_prob=False)),
         "qwen2_moe_norm": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(**moe, norm_topk_prob=True)),
@@ -284,3 +294,71 @@ def test_qwen_configs_map_both_ways() -> None:
     # A shared expert without Qwen's gate is neither Mixtral nor Qwen2-MoE
     with pytest.raises(NotImplementedError, match="moe_shared_expert_gate=True"):
         gpt_kwargs_to_hf_config({**moe, "moe_shared_expert_gate": False})
+
+
+QWEN3_LAYOUTS = {
+    "qwen3-single": ("qwen3", 1, {}),
+    "qwen3-tp2-sp": ("qwen3", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "qwen3_untied-pp2": ("qwen3_untied", 2, {"pipeline_model_parallel_size": 2}),
+    "qwen3_moe-single": ("qwen3_moe", 1, {}),
+    "qwen3_moe-ep2": ("qwen3_moe", 2, MOE_LAYOUTS["ep2"][1]),
+    "qwen3_moe-tp2-sp": ("qwen3_moe", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "qwen3_moe-pp2": ("qwen3_moe", 2, {"pipeline_model_parallel_size": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return {name: _saved_model(name, tmp_path_factory) for name in ("qwen3", "qwen3_untied", "qwen3_moe")}
+
+
+@pytest.mark.parametrize("layout", list(QWEN3_LAYOUTS))
+def test_qwen3_forward_and_round_trip(ranks: Any, qwen3_models: dict[str, Any], layout: str, tmp_path: Path) -> None:
+    """Qwen3 (per-head q/k norms, head_dim 24 != hidden / heads, GQA, tied and untied embeddings) and Qwen3-MoE (no
+    shared expert, a dense layer): logits as transformers' at one process and split over tensor (+ sequence),
+    pipeline and expert ranks, and export gives back the same tensors and config."""
+    name, world_size, strategy = QWEN3_LAYOUTS[layout]
+    _check_forward_and_round_trip(ranks, qwen3_models[name], layout, world_size, strategy, tmp_path)
+
+
+def test_qwen3_configs_map_both_ways() -> None:
+    """What a Qwen3 config becomes, what an equivalent GPTModule exports, and what is refused."""
+    models = _models()
+    dense_config = models["qwen3"][1].to_dict()
+    dense = hf_config_to_gpt_kwargs(dense_config)
+    assert dense["qk_layernorm"] and dense["kv_channels"] == 24 and not dense.get("add_qkv_bias")
+    assert dense["share_embeddings_and_output_weights"] and dense["num_query_groups"] == 2
+    moe_config = models["qwen3_moe"][1].to_dict()
+    moe = hf_config_to_gpt_kwargs(moe_config)
+    assert moe["qk_layernorm"] and moe["moe_layer_freq"] == [1, 1, 0, 1] and not moe["moe_router_pre_softmax"]
+    assert (moe["ffn_hidden_size"], moe["moe_ffn_hidden_size"], moe["moe_router_topk"]) == (96, 32, 2)
+    assert moe.get("moe_shared_expert_intermediate_size") is None
+    assert hf_config_to_gpt_kwargs({**moe_config, "norm_topk_prob": False})["moe_router_pre_softmax"]
+    # From the GPTModule arguments alone (no base config): head_dim is written even where it is hidden / heads,
+    # since transformers' Qwen3 default is 128
+    for kwargs, model_type in ((dense, "qwen3"), (moe, "qwen3_moe")):
+        plain = {**kwargs, "kv_channels": None}
+        exported = gpt_kwargs_to_hf_config(plain)
+        assert exported["model_type"] == model_type and exported["head_dim"] == 16
+        assert not exported["attention_bias"] and not exported["use_sliding_window"]
+        assert hf_config_to_gpt_kwargs(exported) == plain
+    for refused, match in (
+        ({"use_sliding_window": True}, "use_sliding_window=True"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "'yarn'"),
+        ({"attention_bias": True}, "attention_bias"),
+    ):
+        for config in (dense_config, moe_config):
+            with pytest.raises(NotImplementedError, match=match):
+                hf_config_to_gpt_kwargs({**config, **refused})
+    with pytest.raises(NotImplementedError, match="convert it as a 'qwen3'"):
+        hf_config_to_gpt_kwargs({**moe_config, "mlp_only_layers": [0, 1, 2, 3]})
+    # q/k norms with a qkv bias, a shared expert or GPT-2's layout have no Hugging Face family here
+    for unexportable in (
+        {**dense, "add_qkv_bias": True},
+        {**moe, "moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True},
+        {**hf_config_to_gpt_kwargs(models["gpt2"][1].to_dict()), "qk_layernorm": True},
+    ):
+        with pytest.raises(NotImplementedError, match="qk_layernorm=True"):
+            gpt_kwargs_to_hf_config(unexportable)
+    # Without the norms, the same arguments are Llama and Mixtral-like again
+    assert gpt_kwargs_to_hf_config({**dense, "qk_layernorm": False})["model_type"] == "llama"

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE) to and from ``GPTModule``, at any
-tensor/pipeline/expert layout.
+"""Hugging Face checkpoints (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE) to and from ``GPTModule``, at
+any tensor/pipeline/expert layout.
 
 Shards are located through megatron-core's sharded state dict, as ``models.init`` does: every
 ``ShardedTensor`` of a chunk names a *global* tensor (``key``, ``global_shape``, with ``prepend_axis_num``
@@ -26,6 +26,9 @@ Layouts that differ between the two worlds:
   expert (``mlp.shared_expert.*``: megatron-core's ``shared_experts.linear_fc1/fc2``) whose ``[1, hidden]`` sigmoid
   gate ``mlp.shared_expert_gate.weight`` is megatron-core's ``shared_experts.gate_weight`` unchanged; its layers
   listed in ``mlp_only_layers`` are dense Llama MLPs. The routing and the other config fields: ``convert.hf_config``.
+* Qwen3's per-head query and key norms (``self_attn.q_norm`` / ``k_norm``, ``[head_dim]``) are megatron-core's
+  ``self_attention.q_layernorm`` / ``k_layernorm`` (``GPTModule(qk_layernorm=True)``) unchanged, whole on every
+  tensor-parallel rank. Qwen3-MoE's MoE layers are Qwen2-MoE's without the shared expert.
 * Models whose layers differ (``moe_layer_freq`` other than 1) have the layer number in their keys
   (``decoder.layers.3.mlp...``) instead of a leading layer axis; both are read.
 
@@ -96,22 +99,28 @@ def _swiglu_rule(gate: str, up: str) -> _Rule:
     return _Rule([gate, up], lambda g, u: torch.cat([g, u], dim=0), lambda t: t.chunk(2, dim=0))
 
 
-def _qwen2_moe_rules(mlp: str) -> dict[str, _Rule]:
-    """An MoE layer of Qwen2-MoE (``mlp``: its ``model.layers.{i}.mlp.`` prefix): router, experts, gated shared
-    expert. The shared expert's gate (``nn.Linear(hidden, 1)``, ``[1, hidden]``) is megatron-core's ``gate_weight``
-    as it is; both apply a sigmoid to it."""
-    return {
+def _qwen_moe_rules(mlp: str, shared: bool) -> dict[str, _Rule]:
+    """An MoE layer of Qwen2-MoE or Qwen3-MoE (``mlp``: its ``model.layers.{i}.mlp.`` prefix): router, experts and,
+    for Qwen2-MoE (``shared``), the gated shared expert. The shared expert's gate (``nn.Linear(hidden, 1)``,
+    ``[1, hidden]``) is megatron-core's ``gate_weight`` as it is; both apply a sigmoid to it."""
+    rules = {
         "mlp.router.weight": _Rule([mlp + "gate.weight"]),
         "mlp.experts.experts.linear_fc1.weight": _swiglu_rule(
             mlp + "experts.{e}.gate_proj.weight", mlp + "experts.{e}.up_proj.weight"
         ),
         "mlp.experts.experts.linear_fc2.weight": _Rule([mlp + "experts.{e}.down_proj.weight"]),
-        "mlp.shared_experts.linear_fc1.weight": _swiglu_rule(
-            mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"
-        ),
-        "mlp.shared_experts.linear_fc2.weight": _Rule([mlp + "shared_expert.down_proj.weight"]),
-        "mlp.shared_experts.gate_weight": _Rule([mlp + "shared_expert_gate.weight"]),
     }
+    if shared:
+        rules.update(
+            {
+                "mlp.shared_experts.linear_fc1.weight": _swiglu_rule(
+                    mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"
+                ),
+                "mlp.shared_experts.linear_fc2.weight": _Rule([mlp + "shared_expert.down_proj.weight"]),
+                "mlp.shared_experts.gate_weight": _Rule([mlp + "shared_expert_gate.weight"]),
+            }
+        )
+    return rules
 
 
 def _rules(hp: dict[str, Any]) -> dict[str, _Rule]:
@@ -172,8 +181,11 @@ def _rules(hp: dict[str, Any]) -> dict[str, _Rule]:
                 lambda q, k, v: _qkv_to_megatron(q, k, v, groups),
                 lambda t: _qkv_from_megatron(t, heads, groups),
             )
-        if model_type == "qwen2_moe":  # dense layers (mlp_only_layers) keep the Llama MLP rules above
-            layer.update(_qwen2_moe_rules(p + "mlp."))
+        if model_type in ("qwen3", "qwen3_moe"):
+            layer["self_attention.q_layernorm.weight"] = _Rule([p + "self_attn.q_norm.weight"])
+            layer["self_attention.k_layernorm.weight"] = _Rule([p + "self_attn.k_norm.weight"])
+        if model_type in ("qwen2_moe", "qwen3_moe"):  # dense layers (mlp_only_layers) keep the Llama MLP rules above
+            layer.update(_qwen_moe_rules(p + "mlp.", shared=model_type == "qwen2_moe"))
         if model_type == "mixtral":
             moe = p + "block_sparse_moe."
             for key in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):

@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` ↔ ``GPTModule`` arguments, per model family (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE).
+"""Hugging Face ``config.json`` ↔ ``GPTModule`` arguments, per model family (GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE,
+Qwen3, Qwen3-MoE).
 
 Kept apart from the tensor conversion (``convert.hf``), which needs only the family (``hf_model_type``) and a few
 shapes: the mapping of fields is where families differ most and grow, and reading it needs no tensors.
@@ -17,6 +18,12 @@ What each family adds to Llama (RoPE, RMSNorm, SwiGLU, no biases):
   ``moe_intermediate_size``. ``norm_topk_prob=False`` (the default of the released models) takes the top k of a
   softmax over all experts without renormalizing: megatron-core's ``moe_router_pre_softmax=True``; ``True`` is
   Mixtral's routing.
+* Qwen3: Llama with an RMSNorm over each head's query and key before RoPE (``q_norm``/``k_norm``:
+  ``GPTModule(qk_layernorm=True)``), no biases (``attention_bias=true`` is refused) and an explicit ``head_dim``
+  (``kv_channels``; always written on export, since transformers' default is 128, not ``hidden / heads``).
+* Qwen3-MoE: Qwen3 with Qwen2-MoE's expert layers (the same ``mlp_only_layers`` / ``decoder_sparse_step`` placement
+  and ``norm_topk_prob`` routing; the released models set ``norm_topk_prob=true``, megatron-core's default router)
+  and no shared expert.
 
 Sliding-window attention (Mixtral's ``sliding_window`` shorter than the context, Qwen's ``use_sliding_window`` or a
 ``"sliding_attention"`` entry in ``layer_types``) and scaled RoPE are refused: ``GPTModule`` attends over the whole
@@ -31,7 +38,7 @@ from lightning_megatron.models.moe import moe_layer_pattern
 
 __all__ = ["gpt_kwargs_to_hf_config", "hf_config_to_gpt_kwargs", "hf_model_type", "qwen2_moe_layer_pattern"]
 
-_SUPPORTED = "'gpt2', 'llama', 'mixtral', 'qwen2' or 'qwen2_moe'"
+_SUPPORTED = "'gpt2', 'llama', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3' or 'qwen3_moe'"
 
 
 def _rope_theta(config: dict[str, Any]) -> float:
@@ -54,7 +61,7 @@ def _refuse_qwen_sliding_window(config: dict[str, Any]) -> None:
 
 
 def qwen2_moe_layer_pattern(config: dict[str, Any]) -> list[int]:
-    """Which layers of a Qwen2-MoE config are MoE layers (1) or dense (0), as transformers builds them."""
+    """Which layers of a Qwen2-MoE or Qwen3-MoE config are MoE layers (1) or dense (0), as transformers builds them."""
     step = config.get("decoder_sparse_step", 1) or 1
     dense = set(config.get("mlp_only_layers") or [])
     return [0 if i in dense or (i + 1) % step else 1 for i in range(config["num_hidden_layers"])]
@@ -94,7 +101,10 @@ def _llama_kwargs(config: dict[str, Any]) -> dict[str, Any]:
             f"{config['model_type']} hidden_act={config['hidden_act']!r} is not supported (only silu)."
         )
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise NotImplementedError("Llama checkpoints with attention_bias or mlp_bias are not supported.")
+        raise NotImplementedError(
+            f"{config['model_type']} checkpoints with attention_bias or mlp_bias are not supported (GPTModule has "
+            "no bias on the output projection or the MLP of a Llama-style model)."
+        )
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     return dict(
@@ -170,12 +180,46 @@ def _qwen2_moe_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     return {**_llama_kwargs(config), **experts}
 
 
+def _qwen3_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    _refuse_qwen_sliding_window(config)
+    return {**_llama_kwargs(config), "qk_layernorm": True}
+
+
+def _qwen3_num_experts_key(config: dict[str, Any]) -> str:
+    """Released Qwen3-MoE configs say ``num_experts``; transformers 5 writes it as ``num_local_experts`` (its
+    ``attribute_map``) and reads either."""
+    return "num_local_experts" if "num_local_experts" in config and "num_experts" not in config else "num_experts"
+
+
+def _qwen3_moe_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    _refuse_qwen_sliding_window(config)
+    num_experts = config.get(_qwen3_num_experts_key(config))
+    pattern = qwen2_moe_layer_pattern(config)
+    if not num_experts or not any(pattern):
+        raise NotImplementedError(
+            f"qwen3_moe with num_experts={num_experts!r}, mlp_only_layers="
+            f"{config.get('mlp_only_layers')!r} and decoder_sparse_step={config.get('decoder_sparse_step')!r} has no "
+            "MoE layer: convert it as a 'qwen3' checkpoint."
+        )
+    experts = dict(
+        num_moe_experts=num_experts,
+        moe_router_topk=config.get("num_experts_per_tok", 8),
+        moe_ffn_hidden_size=config["moe_intermediate_size"],
+        moe_router_pre_softmax=not config.get("norm_topk_prob", False),
+        moe_layer_freq=1 if all(pattern) else pattern,
+        moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
+    )
+    return {**_qwen3_kwargs(config), **experts}
+
+
 _FROM_HF = {
     "gpt2": _gpt2_kwargs,
     "llama": _llama_kwargs,
     "mixtral": _mixtral_kwargs,
     "qwen2": _qwen2_kwargs,
     "qwen2_moe": _qwen2_moe_kwargs,
+    "qwen3": _qwen3_kwargs,
+    "qwen3_moe": _qwen3_moe_kwargs,
 }
 
 
@@ -194,28 +238,33 @@ def hf_config_to_gpt_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 
 def hf_model_type(hp: dict[str, Any]) -> str:
     """The Hugging Face family a ``GPTModule`` (its hparams) is exported as, or ``NotImplementedError``."""
-    if hp["position_embedding_type"] == "learned_absolute" and hp["normalization"] == "LayerNorm":
+    qk_norms = bool(hp.get("qk_layernorm"))
+    if hp["position_embedding_type"] == "learned_absolute" and hp["normalization"] == "LayerNorm" and not qk_norms:
         if hp["activation"] in ("gelu", "gelu_tanh") and hp["add_bias_linear"]:  # its biases include the qkv one
             return "gpt2"
     llama_like = hp["position_embedding_type"] == "rope" and hp["normalization"] == "RMSNorm"
     if llama_like and hp["activation"] == "swiglu" and not hp["add_bias_linear"]:
         qkv_bias, shared = bool(hp.get("add_qkv_bias")), hp.get("moe_shared_expert_intermediate_size")
-        if hp.get("num_moe_experts") is None:
+        if qk_norms:
+            if not qkv_bias and shared is None:
+                return "qwen3" if hp.get("num_moe_experts") is None else "qwen3_moe"
+        elif hp.get("num_moe_experts") is None:
             return "qwen2" if qkv_bias else "llama"
-        if (
+        elif (
             shared is None
             and not qkv_bias
             and hp.get("moe_layer_freq", 1) == 1
             and not hp.get("moe_router_pre_softmax")
         ):
             return "mixtral"
-        if shared is not None and hp.get("moe_shared_expert_gate"):
+        elif shared is not None and hp.get("moe_shared_expert_gate"):
             return "qwen2_moe"
     raise NotImplementedError(
         "Only GPT-2 style (learned positions, LayerNorm, gelu, biases), Llama style (RoPE, RMSNorm, swiglu, no "
         "biases), Qwen2 style (Llama with add_qkv_bias), Mixtral style (Llama with an MoE layer in every layer, no "
         "shared experts, no qkv bias, moe_router_pre_softmax=False) and Qwen2-MoE style (Llama with MoE layers and "
-        "a gated shared expert: moe_shared_expert_gate=True) GPTModules can be exported to Hugging Face."
+        "a gated shared expert: moe_shared_expert_gate=True), Qwen3 style (Llama with qk_layernorm=True) and "
+        "Qwen3-MoE style (Qwen3 with MoE layers, no shared expert) GPTModules can be exported to Hugging Face."
     )
 
 
@@ -243,7 +292,9 @@ def _llama_config(config: dict[str, Any], hp: dict[str, Any], model_type: str) -
         # A base config that leaves head_dim unset (None: hidden / heads, as Mixtral's does) keeps it unset.
         default_head_dim = "head_dim" in config and config["head_dim"] is None and not hp.get("kv_channels")
         config["head_dim"] = None if default_head_dim else head_dim
-    elif hp.get("kv_channels") or config.get("head_dim") is not None:  # Qwen's configs have no head_dim field
+    elif model_type in ("qwen3", "qwen3_moe"):  # always: Qwen3Config's default is 128, not hidden / heads
+        config["head_dim"] = head_dim
+    elif hp.get("kv_channels") or config.get("head_dim") is not None:  # Qwen2's configs have no head_dim field
         config["head_dim"] = head_dim
     config.update(
         max_position_embeddings=hp["seq_length"],
@@ -270,22 +321,27 @@ def _qwen_attention_config(config: dict[str, Any], hp: dict[str, Any]) -> None:
     config.setdefault("max_window_layers", hp["num_layers"])
 
 
-def _qwen2_moe_config(config: dict[str, Any], hp: dict[str, Any]) -> None:
+def _qwen_moe_config(config: dict[str, Any], hp: dict[str, Any]) -> None:
+    """The expert fields Qwen2-MoE and Qwen3-MoE share: where the MoE layers are, the experts, the routing."""
     pattern = moe_layer_pattern(hp["num_layers"], hp.get("moe_layer_freq", 1))
     if qwen2_moe_layer_pattern(config) != pattern:
         # Any pattern is every layer (step 1) less the dense ones; a base config whose fields give it is kept.
         config.update(decoder_sparse_step=1, mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
     config.setdefault("decoder_sparse_step", 1)
     config.setdefault("mlp_only_layers", [])
+    qwen3 = hf_model_type(hp) == "qwen3_moe"
+    config[_qwen3_num_experts_key(config) if qwen3 else "num_experts"] = hp["num_moe_experts"]
     config.update(
-        qkv_bias=bool(hp.get("add_qkv_bias")),
-        num_experts=hp["num_moe_experts"],
         num_experts_per_tok=hp.get("moe_router_topk", 2),
         moe_intermediate_size=hp.get("moe_ffn_hidden_size") or config["intermediate_size"],
-        shared_expert_intermediate_size=hp["moe_shared_expert_intermediate_size"],
         norm_topk_prob=not hp.get("moe_router_pre_softmax", False),
         router_aux_loss_coef=hp.get("moe_aux_loss_coeff", 0.0),
     )
+    if not qwen3:
+        config.update(
+            qkv_bias=bool(hp.get("add_qkv_bias")),
+            shared_expert_intermediate_size=hp["moe_shared_expert_intermediate_size"],
+        )
 
 
 _ARCHITECTURES = {
@@ -293,6 +349,8 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -321,6 +379,8 @@ def gpt_kwargs_to_hf_config(hp: dict[str, Any], base: Optional[dict[str, Any]] =
         config.update(attention_bias=False, mlp_bias=False)
     else:
         _qwen_attention_config(config, hp)
-        if model_type == "qwen2_moe":
-            _qwen2_moe_config(config, hp)
+        if model_type in ("qwen3", "qwen3_moe"):
+            config["attention_bias"] = False
+        if model_type in ("qwen2_moe", "qwen3_moe"):
+            _qwen_moe_config(config, hp)
     return config

@@ -109,6 +109,10 @@ class GPTModule(MegatronLightningModule):
         add_qkv_bias: A bias on the fused query/key/value projection even when ``add_bias_linear=False``
             (megatron-core's field; Qwen2 and Qwen2-MoE have biases there and nowhere else). Split over
             tensor-parallel ranks with the projection's rows; initialized to zeros like every bias.
+        qk_layernorm: A norm over each attention head's query and key, after the projection and before RoPE
+            (megatron-core's field; Qwen3's ``q_norm``/``k_norm``): the model's ``normalization`` and
+            ``layernorm_epsilon``, one ``[head_dim]`` weight shared by all heads, whole on every tensor-parallel
+            rank (its gradient summed over them); initialized to ones like every norm.
         kv_channels: Width of one attention head (default ``hidden_size // num_attention_heads``).
         layernorm_epsilon: Epsilon of every LayerNorm/RMSNorm (Llama checkpoints use 1e-5 or 1e-6).
         rotary_base: RoPE base (``rope_theta``), used with ``position_embedding_type="rope"``.
@@ -202,6 +206,7 @@ class GPTModule(MegatronLightningModule):
         activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu",
         add_bias_linear: bool = True,
         add_qkv_bias: bool = False,
+        qk_layernorm: bool = False,
         share_embeddings_and_output_weights: bool = False,
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
@@ -244,11 +249,12 @@ class GPTModule(MegatronLightningModule):
         super().__init__()
         self.save_hyperparameters()
         # Checked here, in the process that builds the module, before any rank starts; the layout's part later.
-        if "add_qkv_bias" in (transformer_config_overrides or {}):
-            raise MegatronConfigError(
-                "transformer_config_overrides sets 'add_qkv_bias', a GPTModule argument (export and the layer specs "
-                "read it there): pass GPTModule(add_qkv_bias=...) instead."
-            )
+        for argument in ("add_qkv_bias", "qk_layernorm"):
+            if argument in (transformer_config_overrides or {}):
+                raise MegatronConfigError(
+                    f"transformer_config_overrides sets {argument!r}, a GPTModule argument (export and the layer "
+                    f"specs read it there): pass GPTModule({argument}=...) instead."
+                )
         self._recompute = check_recompute(
             recompute_granularity,
             recompute_method,
@@ -337,6 +343,7 @@ class GPTModule(MegatronLightningModule):
                 normalization=hp.normalization,
                 add_bias_linear=hp.add_bias_linear,
                 add_qkv_bias=hp.add_qkv_bias,
+                qk_layernorm=hp.qk_layernorm,
                 gated_linear_unit=swiglu,
                 activation_func=_ACTIVATIONS[hp.activation],
                 kv_channels=hp.kv_channels,

@@ -9,6 +9,9 @@
   (``models.attention.SDPAttention``): same numerics, flash/memory-efficient kernels on GPUs.
 * ``"te"``: megatron-core's Transformer Engine spec, when transformer-engine is installed.
 
+With ``qk_layernorm`` (Qwen3's per-head query/key norms) the local and sdpa specs build those norms as the layer's
+others (``SequenceParallelNorm``, fused with ``fused_norms``); see ``_with_qk_norms``.
+
 The local and sdpa specs take three kernel settings (``GPTModule(fused_norms=..., fused_bias_grad=...,
 fused_residual_norm=...)``; see ``lightning_megatron.kernels``): ``fused_norms`` builds the norms with a one-pass
 backward, ``fused_bias_grad`` routes the linear layers' bias gradients (qkv, fc1 with its GeLU, and the two
@@ -161,6 +164,8 @@ def _local_layer_spec(
         layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
     norm: Any = ModuleSpec(module=SequenceParallelNorm, params={"fused": True}) if fused_norms else SequenceParallelNorm
     submodules = dataclasses.replace(layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
+    if config.qk_layernorm:
+        submodules = _with_qk_norms(submodules, norm)
     if fused_bias_grad:
         submodules = _with_fused_bias_grad(submodules, moe=num_experts is not None)
     if fused_residual_norm:
@@ -190,6 +195,29 @@ def _local_layer_spec(
             )
         layer = dataclasses.replace(layer, module=ResidualNormTransformerLayer)
     return layer
+
+
+def _with_qk_norms(submodules: Any, norm: Any) -> Any:
+    """The attention with a norm over each head's query and key (``config.qk_layernorm``; Qwen3's ``q_norm`` and
+    ``k_norm``), built as the layer's other norms: the model's normalization and epsilon, fused with
+    ``fused_norms``.
+
+    megatron-core applies them in ``SelfAttention.get_query_key_value_tensors``, to ``[seq, batch, heads, head_dim]``
+    queries and keys before RoPE, as Hugging Face does. Their ``[head_dim]`` weights are whole on every
+    tensor-parallel rank (each rank normalizes its own heads with them) and megatron-core's
+    ``finalize_model_grads`` sums their gradients over the tensor-parallel group by name (``q_layernorm`` /
+    ``k_layernorm``), with or without sequence parallelism; with it they are also flagged ``sequence_parallel``
+    (``SequenceParallelNorm``), which selects the same single sum. megatron-core's own local spec would build its
+    torch norm, which refuses sequence parallelism.
+    """
+    attention = submodules.self_attention
+    if not hasattr(attention.submodules, "k_layernorm"):
+        raise MegatronConfigError(
+            f"qk_layernorm=True expects megatron-core's SelfAttention; this spec builds {attention.module.__name__}: "
+            "set qk_layernorm=False."
+        )
+    heads = dataclasses.replace(attention.submodules, q_layernorm=norm, k_layernorm=norm)
+    return dataclasses.replace(submodules, self_attention=dataclasses.replace(attention, submodules=heads))
 
 
 def _with_fused_bias_grad(submodules: Any, moe: bool = False) -> Any:

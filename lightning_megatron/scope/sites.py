@@ -32,7 +32,8 @@ name                               what                                        l
 ``blocks.L.mlp.W_in/W_out``        MLP weights                                 (weight)          storage
 =================================  ==========================================  ================  ===========
 
-Unlike TransformerLens, ``hook_q``/``hook_k`` are taken after rotary embeddings (what attention uses), and
+Unlike TransformerLens, ``hook_q``/``hook_k`` are taken after rotary embeddings (what attention uses; so after the
+per-head query/key norms of ``GPTModule(qk_layernorm=True)`` too, which come before RoPE), and
 ``hook_k``/``hook_v`` have the model's key/value heads (query groups under GQA). Perturbing ``mlp.hook_pre``
 of a SwiGLU MLP perturbs both halves. ``hook_pattern`` under ``layer_spec="sdpa"`` is recomputed from
 ``hook_q``/``hook_k`` for the captured layers (SDPA never materializes it); under ``"local"`` it is
