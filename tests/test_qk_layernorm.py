@@ -106,3 +106,20 @@ def test_qk_layernorm_checkpoint_resumes_at_another_tensor_parallel_size(ranks: 
 def test_qk_layernorm_is_an_argument_not_an_override() -> None:
     with pytest.raises(MegatronConfigError, match=r"GPTModule\(qk_layernorm=...\)"):
         GPTModule(transformer_config_overrides={"qk_layernorm": True})
+
+
+def test_megascope_sees_the_normed_queries_and_keys_at_tp2_sp(ranks: Any) -> None:
+    """MegaScope's attention points (``hook_q``/``hook_k`` after the norms, ``hook_pattern``, ...) of a model with
+    query/key norms are the same at TP2 + SP as in one process, and differ from the model without them."""
+    import torch
+    from scope_cases import LLAMA_STYLE, captures_at_layout
+
+    model = {**LLAMA_STYLE, "qk_layernorm": True}
+    want = ranks.run(1, captures_at_layout, 1, model)[0]
+    plain = ranks.run(1, captures_at_layout, 1, LLAMA_STYLE)[0]
+    assert sorted(want) == sorted(plain), "the same probe points"
+    assert not torch.allclose(want["blocks.0.attn.hook_q"], plain["blocks.0.attn.hook_q"])
+    layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    got = ranks.run(2, captures_at_layout, 2, model, **layout)[0]
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
