@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import dpp_cases as dc
 import pytest
 import torch
 from trainers import quiet_trainer
@@ -49,7 +50,9 @@ class RecordingGPT(GPTModule):
         return output, recording
 
 
-def convert_and_export(world_size: int, hf_dir: str, out_dir: str, sequence: torch.Tensor, **strategy: Any) -> dict:
+def convert_and_export(
+    world_size: int, hf_dir: str, out_dir: str, sequence: torch.Tensor, max_shard_size: Any = "5GB", **strategy: Any
+) -> dict:
     """Runs on every rank: load ``hf_dir`` at this layout, validate on ``sequence``, export to ``out_dir``."""
     from megatron.core import parallel_state
 
@@ -76,7 +79,7 @@ def convert_and_export(world_size: int, hf_dir: str, out_dir: str, sequence: tor
         parts = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         torch.distributed.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)[..., : kwargs["vocab_size"]]
-    export_hf(module, out_dir, dtype=None)
+    export_hf(module, out_dir, dtype=None, max_shard_size=max_shard_size)
     return {"val_loss": float(metrics["val_loss"]), "logits": logits}
 
 
@@ -183,9 +186,16 @@ def _saved_model(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder: ``model.safetensors``, or the shards its index names."""
     from safetensors.torch import load_file
 
-    return load_file(str(path / "model.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(str(path / "model.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        tensors.update(load_file(str(path / shard)))
+    return tensors
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -362,3 +372,91 @@ def test_qwen3_configs_map_both_ways() -> None:
             gpt_kwargs_to_hf_config(unexportable)
     # Without the norms, the same arguments are Llama and Mixtral-like again
     assert gpt_kwargs_to_hf_config({**dense, "qk_layernorm": False})["model_type"] == "llama"
+
+
+# -- sharded export -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _saved_model("llama", tmp_path_factory)
+
+
+def test_sharded_export_is_what_save_pretrained_writes(ranks: Any, llama_model: dict[str, Any], tmp_path: Path) -> None:
+    """At TP2 x PP2, shards of at most 40 kB (the model is ~230 kB): rank 0 assembles one tensor at a time and
+    writes numbered shards and an index as ``save_pretrained`` does; ``transformers`` loads them to the same
+    logits, and the tensors are the original ones, bit for bit. An export into the same folder replaces them."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "export"
+    strategy = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+    ranks.run(4, convert_and_export, 4, str(llama_model["dir"]), str(out), llama_model["sequence"], 40_000, **strategy)
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 5 and set(index["weight_map"].values()) == set(shards)
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors" and not (out / "model.safetensors").exists()
+    original = _read(llama_model["dir"])
+    exported = _read(out)
+    assert sorted(exported) == sorted(original) == sorted(index["weight_map"])
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in original.values())
+    from safetensors import safe_open
+
+    for shard in shards:  # within the limit, or one tensor larger than it (the 64 kB embedding)
+        with safe_open(str(out / shard), framework="pt") as f:
+            sizes = [f.get_tensor(k).nbytes for k in f.keys()]
+        assert sum(sizes) <= 40_000 or len(sizes) == 1, (shard, sizes)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = reloaded(input_ids=llama_model["sequence"][:, :-1]).logits
+    assert torch.equal(logits, llama_model["logits"])
+
+    ranks.run(1, convert_and_export, 1, str(out), str(out), llama_model["sequence"])  # import the shards, export
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert all(torch.equal(t, original[name]) for name, t in _read(out).items())
+
+
+def export_into(out_dir: str) -> Optional[str]:
+    """Export a tiny model at TP2 into ``out_dir``; what ``export_hf`` raised on this rank."""
+    from lightning_megatron.convert import export_hf
+    from lightning_megatron.models.loading import prepare
+
+    module = GPTModule(**TINY_LLAMA)
+    prepare(module, devices=2, accelerator="cpu", tensor_model_parallel_size=2, strategy_options={"timeout": 60})
+    try:
+        export_hf(module, out_dir)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+TINY_LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, **dc.llama_model())
+
+
+def test_an_export_rank_0_cannot_write_fails_on_every_rank(ranks: Any, tmp_path: Path) -> None:
+    """Only rank 0 writes; where it cannot (here: the folder would be inside a file), every rank raises with
+    rank 0's reason instead of returning as if the export had worked, and none waits for the others."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    errors = ranks.run(2, export_into, str(blocker / "export"))
+    assert all(e is not None and "on global rank 0" in e and "a-file" in e for e in errors), errors
+
+
+def test_shard_sizes_are_checked_and_stale_shards_go(tmp_path: Path) -> None:
+    from lightning_megatron.convert.shards import ShardWriter, parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size(123) == 123
+    for bad in ("5 parsecs", "-1GB", 0, "0"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+    writer = ShardWriter(tmp_path, max_shard_size=100)
+    for i in range(3):
+        writer.add(f"t{i}", torch.zeros(20))  # 80 bytes: one a shard
+    assert [p.name for p in writer.close()] == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    with pytest.raises(ValueError, match="added twice"):
+        again = ShardWriter(tmp_path)
+        again.add("t0", torch.zeros(1))
+        again.add("t0", torch.zeros(1))
+    again.discard()
+    single = ShardWriter(tmp_path)
+    single.add("t0", torch.ones(2))
+    single.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

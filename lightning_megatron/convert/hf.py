@@ -354,27 +354,56 @@ def load_hf_weights_(chunks: Sequence[torch.nn.Module], hf_dir: Union[str, Path]
 _Where = tuple[str, Optional[int], Optional[int]]  # (rule key, layer, expert)
 
 
-def _gather_global(chunks: Sequence[torch.nn.Module]) -> Optional[dict[_Where, torch.Tensor]]:
-    """The full global tensors on global rank 0 (``None`` elsewhere): each main-replica piece is sent once."""
-    pieces = [
-        ((p.key, p.layer, p.expert), p.index, p.shape, p.sharded.data.detach().cpu().clone())
-        for p in _local_pieces(chunks)
-        if is_main_replica(p.sharded.replica_id)
-    ]
+def _comm_device() -> torch.device:
+    """Where pieces travel: NCCL moves CUDA tensors only, gloo CPU ones."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global_tensors(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[_Where, Optional[torch.Tensor]]]:
+    """Each global tensor in turn, whole on global rank 0 (``None`` on the other ranks, which send their pieces).
+
+    One tensor is assembled at a time, so rank 0 holds its own chunks plus one global tensor, not the model: the
+    ranks first share where every main-replica piece lies (metadata only), then all walk the same list of
+    global tensors, each rank sending rank 0 the pieces it holds as rank 0 asks for them. Every rank must
+    consume the whole iterator."""
+    local = [p for p in _local_pieces(chunks) if is_main_replica(p.sharded.replica_id)]
+    meta = [((p.key, p.layer, p.expert), p.index, p.shape, p.sharded.data.dtype) for p in local]
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     if dist:
-        gathered: Optional[list] = (
-            [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
-        )
-        torch.distributed.gather_object(pieces, gathered, dst=0)
-        if torch.distributed.get_rank() != 0:
-            return None
-        pieces = [piece for rank_pieces in gathered for piece in rank_pieces]
-    tensors: dict[_Where, torch.Tensor] = {}
-    for where, index, shape, data in pieces:
-        full = tensors.setdefault(where, torch.zeros(shape, dtype=data.dtype))
-        full[index] = data
-    return tensors
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, meta)
+        rank, device = torch.distributed.get_rank(), _comm_device()
+    else:
+        everyone, rank, device = [meta], 0, torch.device("cpu")
+    order: dict[_Where, list[tuple[int, int]]] = {}  # where -> [(rank, its n-th piece)]
+    for source, pieces in enumerate(everyone):
+        for n, (where, *_) in enumerate(pieces):
+            order.setdefault(where, []).append((source, n))
+    for where, holders in order.items():
+        full = None
+        if rank == 0:
+            _, _, shape, dtype = everyone[holders[0][0]][holders[0][1]]
+            full = torch.zeros(shape, dtype=dtype)
+        for source, n in holders:
+            _, index, _, dtype = everyone[source][n]
+            if source == rank == 0:
+                full[index] = local[n].sharded.data.detach().cpu()
+            elif rank == 0:
+                buffer = torch.empty(full[index].shape, dtype=dtype, device=device)
+                torch.distributed.recv(buffer, src=source)
+                full[index] = buffer.cpu()
+            elif source == rank:
+                torch.distributed.send(local[n].sharded.data.detach().to(device).contiguous(), dst=0)
+        yield where, full
+
+
+def _check_out_dir(out_dir: Union[str, Path]) -> Path:
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"export_hf: out_dir {str(path)!r} exists and is not a directory; pass a directory to write.")
+    return path
 
 
 @torch.no_grad()
@@ -384,45 +413,69 @@ def export_hf(
     gpt_kwargs: Optional[dict[str, Any]] = None,
     base_config: Optional[dict[str, Any]] = None,
     dtype: Optional[torch.dtype] = None,
+    max_shard_size: Union[int, str] = "5GB",
 ) -> None:
     """Write a ``GPTModule`` (or its model chunks) as a Hugging Face checkpoint; call on every rank.
 
-    Global rank 0 gathers the full model in CPU memory and writes ``model.safetensors`` and ``config.json``
-    to ``out_dir``. ``gpt_kwargs`` defaults to the module's hparams (when passing chunks, pass the module's
-    full hyperparameters, ``dict(module.hparams)``: a missing one is an error on every rank); the config starts from ``base_config``, else from the ``config.json`` of the module's ``hf_checkpoint``,
-    so fields the conversion does not own (token ids, ...) survive a round trip. ``dtype`` casts the
-    weights (default: as stored in the model).
+    Global rank 0 assembles one global tensor at a time from the ranks' pieces and writes ``config.json`` and
+    the weights as ``save_pretrained`` lays them out: ``model.safetensors`` where they fit in one shard of
+    ``max_shard_size`` (bytes, or a size such as ``"5GB"``), else numbered shards and
+    ``model.safetensors.index.json``; earlier shards in ``out_dir`` are replaced. Rank 0's memory is its own
+    chunks plus one shard, whatever the model's size. Every rank returns once the files are written, and raises
+    if rank 0 could not write them. ``gpt_kwargs`` defaults to the module's hparams (when passing chunks, pass the
+    module's full hyperparameters, ``dict(module.hparams)``: a missing one is an error on every rank); the config
+    starts from ``base_config``, else from the ``config.json`` of the module's ``hf_checkpoint``, so fields the
+    conversion does not own (token ids, ...) survive a round trip. ``dtype`` casts the weights (default: as
+    stored in the model).
     """
-    from safetensors.torch import save_file
+    from lightning_megatron.convert.shards import ShardWriter, parse_size
 
     hp = dict(gpt_kwargs if gpt_kwargs is not None else getattr(module_or_chunks, "hparams", {}))
     if not hp:
         raise ValueError("export_hf needs a GPTModule, or its chunks and gpt_kwargs.")
     if base_config is None and hp.get("hf_checkpoint"):
         base_config = read_hf_config(hp["hf_checkpoint"])
-    try:  # before any communication, so a bad gpt_kwargs fails on every rank
+    try:  # before any communication, so a bad argument fails on every rank
         rules = _rules(hp)
         config = gpt_kwargs_to_hf_config(hp, base_config)
     except KeyError as missing:
         raise ValueError(
             f"export_hf: gpt_kwargs has no {missing}; pass the module's full hyperparameters (dict(module.hparams))."
         ) from None
-    global_tensors = _gather_global(_chunk_list(module_or_chunks))
-    if global_tensors is None:
-        return
-    out: _Tensors = {}
+    parse_size(max_shard_size)
+    out_path = _check_out_dir(out_dir)
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    writer = None
+    failure: Optional[str] = None
+    if not dist or torch.distributed.get_rank() == 0:
+        try:
+            writer = ShardWriter(out_path, max_shard_size)
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
     tied = hp["share_embeddings_and_output_weights"]
-    for (key, layer, expert), full in global_tensors.items():
-        if key == "output_layer.weight" and tied:
-            continue
-        if key not in rules:
-            raise KeyError(f"No Hugging Face counterpart for megatron-core tensor {key!r}.")
-        if key in _VOCAB_KEYS:
-            full = full[: hp["vocab_size"]]
-        rule = rules[key]
-        for name, tensor in zip(rule.names(layer, expert), rule.from_megatron(full)):
-            out[name] = tensor.to(dtype or tensor.dtype).contiguous()
-    out_path = Path(out_dir)
-    out_path.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_path / "model.safetensors"), metadata={"format": "pt"})
-    (out_path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for (key, layer, expert), full in _global_tensors(_chunk_list(module_or_chunks)):
+        if full is None or failure is not None or (key == "output_layer.weight" and tied):
+            continue  # rank 0 keeps receiving after a failure, so no rank is left waiting on a send
+        try:
+            if key not in rules:
+                raise KeyError(f"No Hugging Face counterpart for megatron-core tensor {key!r}.")
+            if key in _VOCAB_KEYS:
+                full = full[: hp["vocab_size"]]
+            for name, tensor in zip(rules[key].names(layer, expert), rules[key].from_megatron(full)):
+                writer.add(name, tensor.to(dtype or tensor.dtype))
+        except Exception as error:  # noqa: BLE001 - told to every rank below, which would otherwise wait
+            failure = f"{type(error).__name__}: {error}"
+    if writer is not None and failure is None:
+        try:
+            writer.close()
+            (out_path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
+    if writer is not None and failure is not None:
+        writer.discard()
+    if dist:
+        status = [failure]
+        torch.distributed.broadcast_object_list(status, src=0)
+        failure = status[0]
+    if failure is not None:
+        raise RuntimeError(f"export_hf could not write {str(out_path)!r} on global rank 0: {failure}")
