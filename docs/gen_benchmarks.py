@@ -34,6 +34,7 @@ AREAS = {
     "fp8": "FP8 training through torchao: throughput against bf16 and the plain PyTorch peer, GPU tests, profiles.",
     "kernels": "Fused kernels, the fused weight-gradient GEMM, symmetric-memory all-reduce.",
     "gpu_tests": "Outcomes of the GPU test runs: parity across layouts, CUDA graphs, optimizer, memory release.",
+    "convert": "Hugging Face checkpoints at real model sizes: import, logits against transformers, export, memory.",
 }
 
 NAMING_RULE = """\
