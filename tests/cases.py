@@ -23,6 +23,7 @@ class Recorder(pl.Callback):
         self.lr: list[float] = []
         self.val_loss: list[float] = []
         self.moe_aux_loss: list[float] = []
+        self.moe: dict[str, list[float]] = {}  # every logged moe/* metric, per step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         metrics = trainer.callback_metrics
@@ -32,6 +33,9 @@ class Recorder(pl.Callback):
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
         if "moe/load_balancing_loss" in metrics:
             self.moe_aux_loss.append(float(metrics["moe/load_balancing_loss"]))
+        for name, value in metrics.items():
+            if name.startswith("moe/"):
+                self.moe.setdefault(name, []).append(float(value))
 
     def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         # (not on_validation_epoch_end: callbacks run before the module logs val_loss there)
@@ -81,6 +85,7 @@ def fit_gpt(
         "lr": recorder.lr,
         "val_loss": recorder.val_loss,
         "moe_aux_loss": recorder.moe_aux_loss,
+        "moe": recorder.moe,
         "global_step": run.global_step,
         "coordinates": run.strategy.parallel.coordinates,
         "params_dtype": str(next(module.parameters()).dtype),

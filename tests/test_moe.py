@@ -13,7 +13,7 @@ from typing import Any, Optional
 import dpp_cases as dc
 import lightning.pytorch as pl
 import pytest
-from cases import fit_gpt
+from cases import TINY_MODEL, fit_gpt
 
 from lightning_megatron import MegatronAppStrategy
 from lightning_megatron.convert.hf import gpt_kwargs_to_hf_config
@@ -32,6 +32,10 @@ LAYOUTS = {
     "ep2-tp2-sp": (4, {}, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
     "ep2-pp2": (4, {}, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2)),
     "ep2-distopt": (2, {}, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+    # DP4 with EP2: every expert on two ranks (expert data parallelism), its gradients reduced between them
+    "ep2-dp4": (4, {}, dict(expert_model_parallel_size=2)),
+    "ep2-dp4-distopt": (4, {}, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+    "ep2-cp2": (4, {}, dict(expert_model_parallel_size=2, context_parallel_size=2)),
     "ep2-pp2-zb": (4, {}, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, schedule="zb-h1")),
     "ep2-pp2-dpp": (4, {}, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, schedule="dpp")),
     "ep2-pp2-vpp2": (
@@ -69,7 +73,7 @@ def test_expert_parallel_losses_equal_one_process(ranks: Any, one_process: dict[
 def test_load_balancing_loss_is_logged_and_near_its_floor(one_process: dict[str, Any]) -> None:
     # megatron-core's switch loss is E * sum_e(f_e * p_e) / topk: 1 when tokens and probabilities spread evenly.
     aux = one_process["moe_aux_loss"]
-    assert all(0.9 < value < 2.0 for value in aux), aux
+    assert len(aux) == 3 and all(0.9 < value < 2.0 for value in aux), aux
 
 
 STEPS, SAVE_EVERY = 6, 3
@@ -182,17 +186,23 @@ def test_expert_parallel_needs_experts_that_split(ranks: Any) -> None:
         ranks.run(2, fit_gpt, 2, steps=1, model=MODEL, pipeline_model_parallel_size=2, schedule="fbd")
 
 
-def test_a_stage_without_moe_layers_logs_the_same_load_balancing_loss(ranks: Any) -> None:
-    """``moe_layer_freq=[1, 1, 0, 0]`` at PP2: the second stage has no MoE layer; the losses and the logged
-    load-balancing loss (reduced over stages, averaged over the two MoE layers) equal one process's."""
-    model = {**MODEL, "moe_layer_freq": [1, 1, 0, 0]}
+@pytest.mark.parametrize("freq", [[1, 1, 0, 0], [0, 0, 1, 1]], ids=["second-stage-dense", "first-stage-dense"])
+def test_a_stage_without_moe_layers_logs_the_same_router_losses(ranks: Any, freq: list[int]) -> None:
+    """At PP2 one stage has no MoE layer (the second, or the first, which holds global rank 0); the losses and the
+    logged load-balancing and z-losses (reduced over stages, averaged over the two MoE layers) equal one process's
+    on every rank."""
+    model = {**MODEL, "moe_layer_freq": freq, "transformer_config_overrides": {"moe_z_loss_coeff": 1e-3}}
     want = ranks.run(1, fit_gpt, 1, steps=2, model=model)[0]
+    assert sorted(want["moe"]) == ["moe/load_balancing_loss", "moe/z_loss"] and len(want["moe_aux_loss"]) == 2, want
     results = ranks.run(
         4, fit_gpt, 4, steps=2, model=model, pipeline_model_parallel_size=2, expert_model_parallel_size=2
     )
     for rank, got in enumerate(results):
-        for a, b in zip(got["loss"] + got["moe_aux_loss"], want["loss"] + want["moe_aux_loss"], strict=True):
+        for a, b in zip(got["loss"], want["loss"], strict=True):
             assert _close(a, b, 1e-3), (rank, got, want)
+        for name, values in want["moe"].items():
+            for a, b in zip(got["moe"][name], values, strict=True):
+                assert _close(a, b, 1e-3), (rank, name, got["moe"], want["moe"])
 
 
 def test_grouped_gemm_experts_follow_the_sequential_ones(ranks: Any) -> None:
@@ -273,3 +283,100 @@ class KeptInBf16(pl.Callback):
 def kept_in_bf16(module: Any) -> dict[str, str]:
     """(A probe, run in the rank after the fit:) what :class:`KeptInBf16` noted."""
     return module.kept_in_bf16
+
+
+AUX_HEAVY = {**MODEL, "moe_aux_loss_coeff": 10.0, "transformer_config_overrides": {"moe_z_loss_coeff": 1.0}}
+AUX_LAYOUTS = {
+    "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "cp2": (2, dict(context_parallel_size=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(AUX_LAYOUTS))
+def test_router_losses_weigh_the_same_when_tokens_are_split(ranks: Any, layout: str) -> None:
+    """With the load-balancing and z-losses weighted heavily, the gradient's norm at TP2 + SP and at CP2 (each rank
+    routes part of the tokens) equals one process's: the router losses' gradients keep their weight whichever
+    ranks hold the tokens."""
+    world, strategy = AUX_LAYOUTS[layout]
+    want = ranks.run(1, fit_gpt, 1, steps=2, model=AUX_HEAVY)[0]
+    got = ranks.run(world, fit_gpt, world, steps=2, model=AUX_HEAVY, **strategy)[0]
+    for step, (a, b) in enumerate(zip(got["grad_norm"], want["grad_norm"], strict=True)):
+        assert _close(a, b, 1e-3), f"{layout}: step {step} grad norm {a} vs one process's {b}"
+
+
+def grouped_against_sequential(counts: list[int]) -> dict[str, float]:
+    """One MoE layer's experts (bf16, 4 local experts) on tokens sorted by expert, ``counts`` of them each: the
+    grouped GEMMs against ``SequentialMLP``'s forward on the same module, output and gradients (largest relative
+    error); and whether the grouped path ran."""
+    import torch
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from lightning_megatron.layers import grouped_experts
+    from lightning_megatron.models.loading import prepare
+
+    module = GPTModule(**{**TINY_MODEL, **MODEL, "moe_grouped_gemm": True})
+    prepare(module, devices=1, accelerator="cpu", precision="bf16-mixed", strategy_options={"timeout": 120})
+    experts = next(m for m in module.modules() if isinstance(m, grouped_experts.GroupedGemmExperts))
+    hidden_size = experts.local_experts[0].linear_fc1.weight.shape[1]
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randn(sum(counts), hidden_size, generator=g).to(torch.bfloat16)
+    probs = torch.rand(sum(counts), generator=g)
+    grad = torch.randn(sum(counts), hidden_size, generator=g).to(torch.bfloat16)
+    ran = []
+    original = torch._grouped_mm
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        ran.append(1)
+        return original(*args, **kwargs)
+
+    results = {}
+    for name, forward in (("grouped", experts.forward), ("sequential", lambda *a: SequentialMLP.forward(experts, *a))):
+        experts.zero_grad(set_to_none=True)
+        x = tokens.clone().requires_grad_()
+        torch._grouped_mm = counting
+        try:
+            out, _ = forward(x, torch.tensor(counts), probs)
+        finally:
+            torch._grouped_mm = original
+        out.backward(grad)
+        weights = [p.grad.float().clone() for p in experts.parameters()]
+        results[name] = (out.float().detach(), x.grad.float(), weights)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+    (go, gx, gw), (so, sx, sw) = results["grouped"], results["sequential"]
+    return {
+        "grouped_mm_calls": float(len(ran)),
+        "out": rel(go, so),
+        "dx": rel(gx, sx),
+        "dw": max(rel(a, b) for a, b in zip(gw, sw) if b.norm() > 0),
+        "zero_token_expert_grads": float(sum(float(a.abs().sum()) for a, b in zip(gw, sw) if b.norm() == 0)),
+    }
+
+
+def test_grouped_gemm_experts_equal_sequential_ones_on_the_same_weights(ranks: Any) -> None:
+    """The grouped GEMMs compute ``SequentialMLP``'s function: output, input gradient and every expert's weight
+    gradients within bf16 rounding of the sequential experts' on the same module and tokens, an expert that got no
+    tokens included (its gradients zero)."""
+    got = ranks.run(1, grouped_against_sequential, [5, 0, 3, 8])[0]
+    assert got["grouped_mm_calls"] >= 2, got  # fc1 and fc2 ran grouped
+    assert got["out"] < 1e-2 and got["dx"] < 1e-2 and got["dw"] < 2e-2, got
+    assert got["zero_token_expert_grads"] == 0.0, got
+
+
+class AdagradGPT(GPTModule):
+    """An optimizer megatron-core does not implement (the strategy steps it as a plain torch optimizer)."""
+
+    def configure_optimizers(self) -> Any:
+        import torch
+
+        return torch.optim.Adagrad([p for c in self.model_chunks for p in c.parameters()], lr=1e-2)
+
+
+def test_an_optimizer_megatron_core_lacks_is_refused_at_ep2(ranks: Any) -> None:
+    """A plain torch optimizer knows nothing of expert ranks (its gradient norm and checkpoint are per tensor and
+    pipeline rank): at EP2 it is refused by name before the first step; at EP1 it trains."""
+    with pytest.raises(Exception, match="expert_model_parallel_size > 1 needs an optimizer megatron-core"):
+        ranks.run(2, fit_gpt, 2, steps=1, model=MODEL, module_cls=AdagradGPT, expert_model_parallel_size=2)
+    assert len(ranks.run(1, fit_gpt, 1, steps=1, model=MODEL, module_cls=AdagradGPT)[0]["loss"]) == 1

@@ -65,6 +65,24 @@ def test_megatron_p2p_installs_on_the_class_and_restores() -> None:
     assert P2PCommunicator.__dict__["_communicate"] is original
 
 
+def test_router_loss_scale_installs_on_the_class_and_restores() -> None:
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from lightning_megatron.compat import moe
+
+    original, kept = MoEAuxLossAutoScaler.__dict__["set_loss_scale"], MoEAuxLossAutoScaler.main_loss_backward_scale
+    moe.scale_router_loss_gradients(4)
+    try:
+        assert MoEAuxLossAutoScaler.__dict__["set_loss_scale"].__func__ is moe._set_loss_scale
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))
+        assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 2.0
+    finally:
+        moe.scale_router_loss_gradients(1)
+        MoEAuxLossAutoScaler.main_loss_backward_scale = kept
+    assert MoEAuxLossAutoScaler.__dict__["set_loss_scale"] is original
+
+
 def test_symmetric_all_reduce_installs_on_the_module_and_restores() -> None:
     from megatron.core.tensor_parallel import mappings
 

@@ -156,6 +156,18 @@ PATCHES: tuple[Patch, ...] = (
         also=("megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction.backward",),
     ),
     Patch(
+        target="megatron.core.transformer.moe.moe_utils:MoEAuxLossAutoScaler.set_loss_scale",
+        installer="lightning_megatron.compat.moe:scale_router_loss_gradients",
+        scope="fit",
+        why="with calculate_per_token_loss each router scales its load-balancing and z-losses by the tokens it "
+        "routed, so where sequence or context parallelism splits a microbatch's tokens over ranks their gradients "
+        "came out 1 / (TP x CP) of one process's; the scale the schedules set before each backward is multiplied "
+        "by the number of ranks the tokens are split over",
+        restored="scale_router_loss_gradients(1) when the fit's training state is released (strategy teardown)",
+        tested=_MCORE,
+        covered_by="tests/test_moe.py",
+    ),
+    Patch(
         target="megatron.core.transformer.moe.router:Router.gating",
         installer="lightning_megatron.compat.router:logits_site",
         scope="instance",

@@ -14,8 +14,8 @@ activation scaled by the router's weights, then ``linear_fc2`` the same way. The
 weights once per forward (their gradients flow back through it to each expert's parameter); for the sizes MoE layers
 have, that is one more read of weights the GEMMs read anyway.
 
-Where ``torch._grouped_mm`` does not run (other dtypes than bf16, a single local expert, biases) the forward is
-``SequentialMLP``'s. The experts' linears do no communication of their own (megatron-core marks them
+Where ``torch._grouped_mm`` does not run (other dtypes than bf16, a single local expert, biases, widths that are
+not multiples of 8, a clamped or offset activation, GPUs older than sm80) the forward is ``SequentialMLP``'s. The experts' linears do no communication of their own (megatron-core marks them
 ``explicit_expert_comm``; the dispatcher gathers and scatters tokens over the expert tensor-parallel group), so the
 grouped GEMMs are the whole computation at any layout.
 """
@@ -35,6 +35,23 @@ def grouped_gemm_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+def _grouped_gemm_runs(hidden: torch.Tensor, experts: torch.nn.ModuleList, config: object) -> bool:
+    """Whether this layer's expert GEMMs can be grouped: bf16, more than one local expert, no biases, the experts'
+    plain activation (no clamp or GLU offset, which ``SequentialMLP``'s MLPs apply), every width a multiple of 8
+    elements (``torch._grouped_mm`` reads rows whose strides are multiples of 16 bytes), and on GPUs one whose
+    grouped GEMM kernel exists (compute capability 8.0 or newer)."""
+    if len(experts) == 1 or not grouped_gemm_available(hidden.dtype):
+        return False
+    if config.add_bias_linear or config.moe_apply_probs_on_input or config.fp8 or config.fp4:
+        return False
+    if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0):
+        return False
+    widths = (*experts[0].linear_fc1.weight.shape, *experts[0].linear_fc2.weight.shape)
+    if any(width % 8 for width in widths):
+        return False
+    return hidden.device.type != "cuda" or torch.cuda.get_device_capability(hidden.device) >= (8, 0)
+
+
 class GroupedGemmExperts(SequentialMLP):
     """``SequentialMLP`` with its local experts' GEMMs grouped (see the module docstring)."""
 
@@ -43,14 +60,7 @@ class GroupedGemmExperts(SequentialMLP):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         hidden = permuted_local_hidden_states
         config = self.config
-        if (
-            self.num_local_experts == 1
-            or not grouped_gemm_available(hidden.dtype)
-            or config.add_bias_linear
-            or config.moe_apply_probs_on_input
-            or config.fp8
-            or config.fp4
-        ):
+        if not _grouped_gemm_runs(hidden, self.local_experts, config):
             return super().forward(hidden, tokens_per_expert, permuted_probs)
         counts = torch.as_tensor(tokens_per_expert, device="cpu").to(torch.int64)
         offsets = torch.cumsum(counts, 0).to(device=hidden.device, dtype=torch.int32)

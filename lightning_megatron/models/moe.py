@@ -110,7 +110,11 @@ def check_moe(
             f"moe_token_dispatcher_type={moe_token_dispatcher_type!r}: choose 'alltoall' or 'allgather' ('flex' "
             "needs DeepEP)."
         )
-    moe_layer_pattern(num_layers, moe_layer_freq)
+    if not any(moe_layer_pattern(num_layers, moe_layer_freq)):
+        raise MegatronConfigError(
+            f"moe_layer_freq={moe_layer_freq!r} makes none of the {num_layers} layers an MoE layer: mark at least one "
+            "with 1, or leave num_moe_experts unset for a dense model."
+        )
     if moe_grouped_gemm not in (True, False):
         raise MegatronConfigError(f"moe_grouped_gemm={moe_grouped_gemm!r}: true or false.")
     shared = moe_shared_expert_intermediate_size
@@ -215,7 +219,7 @@ class AuxLosses:
         self.names = [_AUX_LOSS_NAMES[t] for t, c in zip(types, coeffs) if t in _AUX_LOSS_NAMES and c > 0]
         if config.moe_z_loss_coeff:
             self.names.append("z_loss")
-        self.num_layers = config.num_layers
+        self.num_layers = config.num_layers + (config.mtp_num_layers or 0)  # as the routers size the tracker
         self.num_moe_layers = sum(moe_layer_pattern(config.num_layers, config.moe_layer_freq))
         forget_aux_losses()  # entries of an earlier fit in this process (see forget_aux_losses)
 
@@ -234,11 +238,22 @@ class AuxLosses:
         )
 
         tracker = get_moe_layer_wise_logging_tracker()
-        for name in self.names:  # the entry a stage without MoE layers lacks, with the router's groups
+        every_split = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        for name in self.names:  # the entry a stage without MoE layers lacks, with the groups the routers give it
             entry = tracker.setdefault(name, {"values": torch.zeros(self.num_layers, device=device)})
-            entry.setdefault("reduce_group", parallel_state.get_tensor_and_context_parallel_group())
+            if name == "z_loss":
+                # Each router logs the mean over the tokens it routed and megatron-core reduces it over the
+                # pipeline only (rank 0's share of the batch): averaged over the ranks that split the tokens
+                # (tensor + sequence, data, context parallel), it is the mean over the global batch.
+                entry.update(reduce_group=None, avg_group=every_split, reduce_group_has_dp=False)
+                continue
+            if name == "global_load_balancing_loss":
+                group, has_dp = every_split, True
+            else:
+                group, has_dp = parallel_state.get_tensor_and_context_parallel_group(), False
+            entry.setdefault("reduce_group", group)
             entry.setdefault("avg_group", None)
-            entry.setdefault("reduce_group_has_dp", False)
+            entry.setdefault("reduce_group_has_dp", has_dp)
         reduce_aux_losses_tracker_across_ranks(self.names)
         taken = {
             name: tracker[name]["values"].float().sum() / (self.num_moe_layers * max(1, microbatches))

@@ -18,6 +18,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from lightning_megatron.compat import moe as moe_compat
 from lightning_megatron.compat.finalize_grads import finalize_model_grads
 from lightning_megatron.compat.megatron import batched_p2p_is_safe
 from lightning_megatron.errors import MegatronConfigError
@@ -124,7 +125,11 @@ def install_config_hooks(
         funcs = [getattr(c, name) for c in ddp]
         return funcs[0] if len(funcs) == 1 else funcs
 
-    for config in {id(get_model_config(c)): get_model_config(c) for c in chunks}.values():
+    configs = {id(get_model_config(c)): get_model_config(c) for c in chunks}.values()
+    if ddp and any(getattr(config, "num_moe_experts", None) for config in configs):
+        # megatron-core weighs the router losses by each rank's share of the tokens (compat.moe)
+        moe_compat.scale_router_loss_gradients(layout.context * (layout.tensor if layout.sequence_parallel else 1))
+    for config in configs:
         config.calculate_per_token_loss = True
         config.batch_p2p_comm = batched_p2p_is_safe(
             on_cpu=on_cpu, pipeline=layout.pipeline, virtual_pipeline=layout.virtual_pipeline

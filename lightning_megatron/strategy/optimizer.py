@@ -305,6 +305,16 @@ def build_optimizer(
                 f"Mixed precision keeps fp32 master weights in megatron-core's optimizer, which supports Adam, "
                 f"AdamW and SGD; {reason}. Use one of those, or precision='32-true'."
             )
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            # Its gradient norm and its checkpoint know the tensor and pipeline ranks only, not which experts a
+            # rank holds: clipping would differ between expert ranks and expert state would be saved from one.
+            raise MegatronConfigError(
+                f"expert_model_parallel_size > 1 needs an optimizer megatron-core implements (Adam, AdamW, SGD), "
+                f"which reduces the gradient norm and saves optimizer state per expert rank; {reason}. Switch "
+                "optimizers or set expert_model_parallel_size=1."
+            )
         return TorchOptimizer(optimizer)
 
     kwargs.update(

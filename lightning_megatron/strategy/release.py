@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from megatron.core.distributed import DistributedDataParallel
 
+from lightning_megatron.compat import moe as moe_compat
+
 __all__ = ["collect_previous_fits", "release_training_state"]
 
 _CONFIG_HOOKS = ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func", "grad_scale_func")
@@ -36,6 +38,7 @@ fp32 master copy (a 350M model's training state, gigabytes of GPU memory, outliv
 
 def release_training_state(chunks: Iterable[torch.nn.Module], configs: Iterable[Any]) -> None:
     """Cut the DDP wrappers and the optimizer loose from the model chunks and their configs."""
+    moe_compat.scale_router_loss_gradients(1)
     for config in configs:
         for name in _CONFIG_HOOKS:
             if getattr(config, name, None) is not None:
