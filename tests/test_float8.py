@@ -101,6 +101,27 @@ def test_scaled_mm_path_runs_every_recipe(recipe: str) -> None:
         assert float((got - want).norm() / want.norm()) < 5e-3
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_weight_gradients_over_any_token_count(recipe: str) -> None:
+    """``_scaled_mm`` needs the contracted width in multiples of 16, and the weight gradient contracts over the
+    microbatch's tokens (24 here): that GEMM takes the emulation's arithmetic on the float8 operands, with a
+    warning that names the fix, instead of failing inside torch; the cast-once path too."""
+    torch.manual_seed(4)
+    x = torch.randn(24, 96, dtype=torch.bfloat16)
+    g = torch.randn(24, 48, dtype=torch.bfloat16)
+    real, emulated = Float8Recipe(recipe, emulate=False), Float8Recipe(recipe, emulate=True)
+    with pytest.warns(UserWarning, match="micro_batch_size x seq_length"):
+        got = real.grad_weight(g, x, torch.float32)
+    assert torch.equal(got, emulated.grad_weight(g, x, torch.float32))
+    if real.casts_once:
+        c = real.config
+        _, g_t, g_scale = real.quantize(g, c.cast_config_grad_output.target_dtype)
+        _, x_t, x_scale = real.quantize(x, c.cast_config_input.target_dtype)
+        with pytest.warns(UserWarning, match="not a multiple of 16"):
+            cast = real.grad_weight_cast(g_t, x_t, torch.float32, grad_output_scale=g_scale, input_scale=x_scale)
+        assert float((cast - got).norm() / got.norm()) < 1e-6
+
+
 def test_compiled_casts_and_gemms_give_the_eager_bits() -> None:
     """What GPUs run (``torch.compile``: fused casts), compiled here for the CPU: the same numbers as eager."""
     torch.manual_seed(2)
@@ -140,13 +161,16 @@ def test_rowwise_recipes_stay_close_to_bf16(recipe: str) -> None:
     w = torch.randn(16, 64, dtype=torch.bfloat16) / 8
     g = torch.randn(32, 16, dtype=torch.bfloat16)
     r = Float8Recipe(recipe, emulate=True)
-    for got, want in (
-        (r.output(x, w), x.float() @ w.float().t()),
-        (r.grad_input(g, w), g.float() @ w.float()),
-        (r.grad_weight(g, x, torch.float32), g.float().t() @ x.float()),
+    for name, got, want, bf16 in (
+        ("output", r.output(x, w), x.float() @ w.float().t(), x @ w.t()),
+        ("grad_input", r.grad_input(g, w), g.float() @ w.float(), g @ w),
+        ("grad_weight", r.grad_weight(g, x, torch.float32), g.float().t() @ x.float(), g.t() @ x),
     ):
-        assert not torch.equal(got.float(), want.to(got.dtype).float())
-        assert (got.float() - want).abs().max() <= 0.08 * want.abs().max()
+        if recipe == "rowwise_with_gw_hp" and name == "grad_weight":  # this recipe's bf16 GEMM, as it is
+            assert torch.equal(got, bf16.float()), name
+            continue
+        assert not torch.equal(got.float(), bf16.float()), f"{name}: bf16's GEMM, not float8's"
+        assert (got.float() - want).abs().max() <= 0.08 * want.abs().max(), name
 
 
 class _Float8Layers(pl.Callback):
@@ -171,6 +195,7 @@ def one_process(ranks: Any) -> dict[str, dict[str, Any]]:
     return {
         "bf16": ranks.run(1, fit_float8, 1)[0],
         "tensorwise": ranks.run(1, fit_float8, 1, fp8_recipe="tensorwise")[0],
+        "rowwise": ranks.run(1, fit_float8, 1, fp8_recipe="rowwise")[0],
     }
 
 
@@ -189,19 +214,23 @@ def test_float8_runs_every_transformer_gemm_and_keeps_the_output_layer(one_proce
     assert _relative(loss, one_process["bf16"]["loss"]) <= BF16_TOL
 
 
+TP2_SP_PP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)
 LAYOUTS = {
-    "pp2": (2, dict(pipeline_model_parallel_size=2)),
-    "tp2": (2, dict(tensor_model_parallel_size=2)),
-    "tp2-sp-pp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2), "tensorwise"),
+    "tp2": (2, dict(tensor_model_parallel_size=2), "tensorwise"),
+    "tp2-sp-pp2": (4, TP2_SP_PP2, "tensorwise"),
+    # the per-GEMM path (rowwise scales along other axes per GEMM; the bf16 input saved, gathered again under SP)
+    "tp2-sp-pp2-rowwise": (4, TP2_SP_PP2, "rowwise"),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_float8_losses_agree_across_layouts(ranks: Any, one_process: dict[str, Any], layout: str) -> None:
-    world, settings = LAYOUTS[layout]
-    results = ranks.run(world, fit_float8, world, fp8_recipe="tensorwise", **settings)
-    want = one_process["tensorwise"]["loss"]
+    world, settings, recipe = LAYOUTS[layout]
+    results = ranks.run(world, fit_float8, world, fp8_recipe=recipe, **settings)
+    want = one_process[recipe]["loss"]
     last_stage = [r for r in results if r["loss"]]
+    assert last_stage, f"{layout}: no rank recorded losses"
     for result in last_stage:
         assert result["float8_layers"], f"{layout}: no layer ran in float8"
         tol = 1e-3 * LAYOUT_TOL if "tp" not in layout else LAYOUT_TOL
@@ -241,3 +270,16 @@ def test_bad_float8_settings_fail_with_the_fix() -> None:
         MegatronAppStrategy(tensor_model_parallel_size=2, tp_comm_overlap=True, fp8_recipe="tensorwise")
     with pytest.raises(MegatronConfigError, match="precision='bf16-mixed'"):
         fit_gpt(1, steps=1, precision="32-true", fp8_recipe="tensorwise")
+
+
+def test_a_gpu_without_float8_units_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_megatron.layers.float8 import check_float8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(MegatronConfigError, match=r"A100-SXM4-80GB is 8\.0.*Unset `fp8_recipe`"):
+        check_float8_device("tensorwise", torch.device("cuda", 0))
+    check_float8_device(None, torch.device("cuda", 0))  # no FP8: nothing to check
+    check_float8_device("tensorwise", torch.device("cpu"))  # emulated
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_float8_device("rowwise", torch.device("cuda", 0))

@@ -12,8 +12,9 @@ emulation in fp32 elsewhere), while the layer keeps megatron-core's parallelism 
 * backward: the input gradient in float8 (``grad_output`` in e5m2 for ``tensorwise``), reduced over the
   tensor-parallel group (all-reduce, or reduce-scatter under sequence parallelism) while the weight gradient's GEMM
   runs; the weight gradient ``grad_output.t() @ input`` in float8, handed to :func:`.wgrad_accumulate.weight_grad`
-  like every backward of this package: straight into the fp32 ``main_grad`` (the GEMM's fp32 output, no bf16
-  temporary), or stashed for a zero-bubble schedule's W.
+  like every backward of this package: added to the fp32 ``main_grad`` (``_scaled_mm`` has no accumulate
+  operand, so the GEMM writes a weight-sized fp32 result, ``tensorwise``, or bf16, the rowwise recipes, and it is
+  added), or stashed for a zero-bubble schedule's W.
 
 What stays as it was: weights and master weights (bf16 weights, fp32 master weights, so checkpoints do not know FP8
 was used and a fit resumes in either), the activations between pipeline stages, and the layers Transformer
@@ -46,6 +47,7 @@ __all__ = [
     "FLOAT8_RECIPES",
     "Float8Linear",
     "Float8Recipe",
+    "check_float8_device",
     "check_float8_precision",
     "float8_recipe_option",
     "float8_shape_problem",
@@ -83,6 +85,19 @@ def check_float8_precision(recipe: Optional[str], params_dtype: torch.dtype) -> 
         raise MegatronConfigError(
             f"`fp8_recipe={recipe!r}` needs bf16 weights and activations: use Trainer(precision='bf16-mixed') "
             f"(got weights in {str(params_dtype).replace('torch.', '')})."
+        )
+
+
+def check_float8_device(recipe: Optional[str], device: torch.device) -> None:
+    """Float8 GEMMs (``torch._scaled_mm``) need an sm89+ GPU: Ada, Hopper, Blackwell. CPUs emulate them."""
+    if not recipe or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise MegatronConfigError(
+            f"`fp8_recipe={recipe!r}` needs a GPU with float8 matrix units (compute capability 8.9 or newer: Ada, "
+            f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}. Unset `fp8_recipe` to "
+            "train in bf16."
         )
 
 
@@ -213,7 +228,13 @@ class Float8Recipe:
         """``a @ b`` of two float8 operands, dequantised by their scales, in ``out_dtype``."""
         ao = self._ao
         (a_data, a_scale), (b_data, b_scale) = a, b
-        if self.emulate:
+        if self.emulate or a_data.shape[1] % 16 or b_data.shape[1] % 16:
+            # ``_scaled_mm`` needs the contraction and output widths in multiples of 16. The layers' own widths
+            # are checked when they are chosen (``float8_shape_problem``); the weight gradient contracts over the
+            # microbatch's tokens, which can be any number: that GEMM is then the float8 operands' product in
+            # fp32, the emulation's arithmetic.
+            if not self.emulate:
+                _warn_unaligned(a_data.shape[1])
             return torch.mm(a_data.float() / a_scale, b_data.float() / b_scale).to(out_dtype)
         if not ao.utils.is_row_major(a_data.stride()):  # cuBLAS: A row-major, B column-major
             a_data = a_data.contiguous()
@@ -258,6 +279,18 @@ class Float8Recipe:
         if a is None or b is None:  # rowwise_with_gw_hp: this GEMM in high precision
             return torch.mm(grad_output_2d.t(), input_2d).to(out_dtype)
         return self._mm(_transposed(a), b, out_dtype, c.gemm_config_grad_weight.use_fast_accum)
+
+
+@torch.compiler.disable
+def _warn_unaligned(contracted: int) -> None:
+    import warnings
+
+    warnings.warn(
+        f"float8 GEMMs over {contracted} rows (the tokens of a microbatch, not a multiple of 16) run as fp32 "
+        "products of their float8 operands, slower than torch._scaled_mm: make micro_batch_size x seq_length "
+        "(per tensor-parallel rank under sequence parallelism, per context-parallel rank) a multiple of 16.",
+        stacklevel=2,
+    )
 
 
 def _transposed(operand: Operand) -> Operand:

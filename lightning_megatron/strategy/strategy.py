@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from lightning_megatron.compat.lightning import ScriptLauncher, announce_step_sync
 from lightning_megatron.errors import MegatronConfigError
-from lightning_megatron.layers.float8 import check_float8_precision, float8_recipe_option
+from lightning_megatron.layers.float8 import check_float8_device, check_float8_precision, float8_recipe_option
 from lightning_megatron.layers.install import TensorParallelLayers, symmetric_ar_option
 from lightning_megatron.layers.tp_overlap import tp_comm_overlap_options
 from lightning_megatron.pipeline import get_schedule
@@ -112,9 +112,9 @@ class MegatronAppStrategy(DataParallelCollectives, ParallelStrategy):
         tp_comm_overlap_chunks: With ``tp_comm_overlap``: pieces the token dimension of each GEMM is cut into.
         symmetric_ar_type: ``"two_shot"`` or ``"one_shot"``: the tensor-parallel all-reduces (the row-parallel
             layers' outputs; the input gradients too where the layers run this project's backward, as with
-            ``gradient_accumulation_fusion``) on torch's symmetric memory instead of NCCL (GPUs of one node,
-            TP > 1 without sequence parallelism; :mod:`lightning_megatron.compat.symmetric_all_reduce`).
-            Unset: NCCL.
+            ``gradient_accumulation_fusion``, but not the float8 layers of ``fp8_recipe``, whose input gradients
+            stay NCCL's) on torch's symmetric memory instead of NCCL (GPUs of one node, TP > 1 without sequence
+            parallelism; :mod:`lightning_megatron.compat.symmetric_all_reduce`). Unset: NCCL.
         fp8_recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's recipes): the GEMMs of
             every ``ColumnParallelLinear`` / ``RowParallelLinear`` but the output layer in float8, through torchao,
             without Transformer Engine (:mod:`lightning_megatron.layers.float8`; needs ``precision="bf16-mixed"``
@@ -361,6 +361,7 @@ class MegatronAppStrategy(DataParallelCollectives, ParallelStrategy):
         self.set_world_ranks()
         data_parallel = self.layout.data_parallel_size(self.world_size)  # raises before any collective
         check_float8_precision(self.fp8_recipe, self.precision_plugin.params_dtype)
+        check_float8_device(self.fp8_recipe, self.root_device)
         self._graphs, self._accumulation_fusion = resolve_step_settings(
             self.cuda_graphs,
             self.gradient_accumulation_fusion,
