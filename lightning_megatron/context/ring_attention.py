@@ -112,12 +112,13 @@ def _block_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
     if kernel == "flash":
+        # No cumulative sequence lengths (None, as the dense forward returns them): defined ones make the CUDA
+        # kernel take its variable-length path, which reads q/k/v as packed [total_tokens, heads, dim]. The
+        # philox seed and offset are read only with dropout.
         sq, sk = q.shape[-2], k.shape[-2]
-        cum_q = torch.tensor([0, sq], dtype=torch.int32, device=q.device)
-        cum_k = torch.tensor([0, sk], dtype=torch.int32, device=q.device)
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, sq, sk, 0.0, causal, zero, zero, scale=scale
+            dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale
         )
     qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
