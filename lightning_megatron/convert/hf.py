@@ -56,7 +56,6 @@ from lightning_megatron.models.sharding import sharded_tensors
 __all__ = ["export_hf", "gpt_kwargs_to_hf_config", "hf_config_to_gpt_kwargs", "load_hf_weights_"]
 
 _LAYERS = "decoder.layers."
-_Tensors = dict[str, torch.Tensor]
 
 
 # -- tensor layouts -------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ weights once per forward (their gradients flow back through it to each expert's 
 have, that is one more read of weights the GEMMs read anyway.
 
 Where ``torch._grouped_mm`` does not run (other dtypes than bf16, a single local expert, biases, widths that are
-not multiples of 8, a clamped or offset activation, GPUs older than sm80) the forward is ``SequentialMLP``'s. The experts' linears do no communication of their own (megatron-core marks them
-``explicit_expert_comm``; the dispatcher gathers and scatters tokens over the expert tensor-parallel group), so the
-grouped GEMMs are the whole computation at any layout.
+not multiples of 8, a clamped or offset activation, GPUs older than sm80) the forward is ``SequentialMLP``'s. The
+experts' linears do no communication of their own (megatron-core marks them ``explicit_expert_comm``; the
+dispatcher gathers and scatters tokens over the expert tensor-parallel group), so the grouped GEMMs are the whole
+computation at any layout.
 """
 
 from __future__ import annotations
